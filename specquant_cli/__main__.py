@@ -1,0 +1,3 @@
+from specquant_cli.cli import main
+
+main()

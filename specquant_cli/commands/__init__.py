@@ -1,0 +1,1 @@
+"""One module per command; each body is thin and calls core code."""

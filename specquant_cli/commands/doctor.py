@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from specquant_cli.console import err, gib, out_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command("doctor", help="What this machine can run: GPUs (NVML), host (psutil), and a placement plan.")(doctor)
+
+
+def doctor(
+    family: Optional[Path] = typer.Option(None, "--family", help="Family folder to plan placement for"),
+    n_ctx: int = typer.Option(4096, "--ctx", help="Context size the plan reserves KV cache for"),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object on stdout"),
+) -> None:
+    from specquant_cli import hardware
+    from specquant_cli.placement import family_plans
+
+    facts = hardware.detect()
+    report = {"hardware": facts.to_dict(), "advice": hardware.advice(facts)}
+    if family is not None:
+        from specquant_cli.family import Family
+
+        fam = Family.load(family)
+        report["family"] = {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance}
+        report["plans"] = family_plans(facts, fam, n_ctx)
+    if json_out:
+        out_json(report)
+        return
+    _render(report)
+
+
+def _render(report: dict) -> None:
+    hw = report["hardware"]
+    t = Table(title="hardware", show_header=False)
+    if hw["gpus"]:
+        for g in hw["gpus"]:
+            t.add_row(f"GPU {g['index']}", f"{g['name']}: {gib(g['free_bytes'])} free of {gib(g['total_bytes'])}, "
+                                          f"driver {g['driver']}")
+    else:
+        t.add_row("GPU", f"none ({hw['gpu_status']})")
+    t.add_row("llama.cpp GPU offload", "yes" if hw["gpu_offload"] else "no (CPU build)")
+    t.add_row("RAM", f"{gib(hw['ram_available'])} available of {gib(hw['ram_total'])}")
+    t.add_row("cores", f"{hw['cores_physical']} physical, {hw['cores_logical']} logical")
+    t.add_row("CPU features", " ".join(k for k, v in hw["cpu_flags"].items() if v) or "none of interest")
+    err.print(t)
+    if report.get("advice"):
+        err.print(f"[yellow]advice:[/] {report['advice']}")
+    if "plans" in report:
+        p = Table(title=f"placement for {report['family']['name']}")
+        for col in ("plan", "mode", "n_gpu_layers", "RAM", "VRAM", "fits RAM", "why"):
+            p.add_column(col)
+        for name, pl in report["plans"].items():
+            p.add_row(name, pl["mode"], ", ".join(f"{k}={v}" for k, v in pl["gpu_layers"].items()),
+                      gib(pl["ram_bytes"]), gib(pl["vram_bytes"]), "yes" if pl["fits_ram"] else "[red]no[/]",
+                      pl["reason"])
+        err.print(p)
+        err.print(f"provenance: {report['family']['provenance']}")

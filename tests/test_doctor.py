@@ -1,0 +1,112 @@
+import json
+import types
+
+import pytest
+
+from conftest import run_cli
+from specquant_cli import hardware
+from specquant_cli.hardware import GPU, Facts, ModelNeed, plan
+
+GiB = 1 << 30
+
+
+def facts(free_vram=None, offload=True, ram=16 * GiB):
+    gpus = [GPU(0, "Fake RTX", 24 * GiB, free_vram, "550.1")] if free_vram is not None else []
+    return Facts(gpus=gpus, gpu_status="ok" if gpus else "none", ram_total=ram, ram_available=ram,
+                 cores_physical=8, cores_logical=16, cpu_flags={}, gpu_offload=offload)
+
+
+PARENT = ModelNeed("f16", 3 * GiB, GiB // 8, 28)
+DRAFT = ModelNeed("q4", GiB, GiB // 8, 28)
+
+
+def test_plan_gpu_when_both_fit():
+    p = plan(facts(free_vram=10 * GiB), PARENT, DRAFT)
+    assert p.mode == "gpu" and p.gpu_layers == {"f16": -1, "q4": -1} and p.ram_bytes == 0
+
+
+def test_plan_hybrid_parent_on_gpu_draft_on_cpu():
+    p = plan(facts(free_vram=4 * GiB), PARENT, DRAFT)
+    assert p.mode == "hybrid" and p.gpu_layers == {"f16": -1, "q4": 0}
+    assert p.ram_bytes == DRAFT.total and p.fits_ram
+
+
+def test_plan_hybrid_partial_offload_computes_layers():
+    p = plan(facts(free_vram=2 * GiB), PARENT, DRAFT)
+    assert p.mode == "hybrid" and p.gpu_layers["q4"] == 0
+    n = p.gpu_layers["f16"]
+    per_layer = PARENT.weight_bytes / PARENT.n_layers
+    usable = 2 * GiB - hardware.VRAM_RESERVE
+    assert 1 <= n < 28
+    assert n * per_layer + PARENT.kv_bytes + hardware.COMPUTE_OVERHEAD <= usable
+    assert (n + 1) * per_layer + PARENT.kv_bytes + hardware.COMPUTE_OVERHEAD > usable
+
+
+def test_plan_cpu_without_gpu_and_with_cpu_only_build():
+    assert plan(facts(), PARENT, DRAFT).mode == "cpu"
+    p = plan(facts(free_vram=20 * GiB, offload=False), PARENT, DRAFT)
+    assert p.mode == "cpu" and "without GPU offload" in p.reason
+    assert hardware.advice(facts(free_vram=20 * GiB, offload=False)).endswith(hardware.REINSTALL_HINT)
+
+
+def test_plan_reports_ram_shortfall():
+    p = plan(facts(ram=2 * GiB), PARENT, DRAFT)
+    assert p.mode == "cpu" and not p.fits_ram
+
+
+class _Mem:
+    total, free = 24 * GiB, 20 * GiB
+
+
+def fake_pynvml(count=1, fail_init=None):
+    m = types.SimpleNamespace()
+    m.shutdowns = 0
+
+    def init():
+        if fail_init:
+            raise fail_init
+
+    m.nvmlInit = init
+    m.nvmlShutdown = lambda: setattr(m, "shutdowns", m.shutdowns + 1)
+    m.nvmlSystemGetDriverVersion = lambda: b"550.54"
+    m.nvmlDeviceGetCount = lambda: count
+    m.nvmlDeviceGetHandleByIndex = lambda i: i
+    m.nvmlDeviceGetName = lambda h: f"NVIDIA GeForce RTX 4090 #{h}"
+    m.nvmlDeviceGetMemoryInfo = lambda h: _Mem()
+    return m
+
+
+def test_detect_gpus_through_fake_nvml():
+    nv = fake_pynvml(count=2)
+    gpus, status = hardware.detect_gpus(nv)
+    assert status == "ok" and len(gpus) == 2 and nv.shutdowns == 1
+    assert gpus[1].name.endswith("#1") and gpus[0].free_bytes == 20 * GiB and gpus[0].driver == "550.54"
+
+
+def test_detect_gpus_without_driver_is_not_an_error():
+    gpus, status = hardware.detect_gpus(fake_pynvml(fail_init=RuntimeError("NVML Shared Library Not Found")))
+    assert gpus == [] and "no NVIDIA driver" in status
+    assert hardware.detect_gpus(fake_pynvml(count=0)) == ([], "driver present, no GPU")
+
+
+def test_doctor_real_machine_reports_cpu_placement(family_dir):
+    r = run_cli(["doctor", "--json", "--family", str(family_dir)])
+    assert r.exit_code == 0, r.stderr
+    rep = json.loads(r.stdout)
+    hw = rep["hardware"]
+    assert hw["ram_total"] > 0 and hw["cores_logical"] >= 1 and "avx2" in hw["cpu_flags"]
+    assert hw["gpus"] == [] and hw["gpu_offload"] is False  # this machine: no GPU, CPU build
+    assert {p["mode"] for p in rep["plans"].values()} == {"cpu"}
+    assert set(rep["plans"]) >= {"f16+q4", "f16+q8", "f16"}
+    assert all(p["fits_ram"] for p in rep["plans"].values())
+
+
+def test_doctor_human_form_goes_to_stderr(family_dir):
+    r = run_cli(["doctor", "--family", str(family_dir)])
+    assert r.exit_code == 0 and r.stdout == ""
+    assert "placement" in r.stderr and "cpu" in r.stderr
+
+
+def test_doctor_missing_family_is_one_line():
+    r = run_cli(["doctor", "--family", "/nonexistent/fam"])
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "specquant pull" in r.stderr
