@@ -1,0 +1,97 @@
+"""Drafters: context in, up to n proposed tokens out (with the draft's distributions when a model sampled).
+
+Every drafter has the same narrow protocol, so the engine cannot tell an n-gram lookup from a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+
+from specquant_cli.llama import Context
+from specquant_cli.sampling import SamplingParams, greedy_token, probs, sample
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    # One distribution per token when a model *sampled* the draft; None for greedy or deterministic drafts
+    # (the verifier then treats each token as proposed with probability 1).
+    q: Optional[list[np.ndarray]] = None
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft: ...
+
+
+class NGramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n-gram (longest n first)
+    in prompt + output so far, and propose what followed it. Costs no model call."""
+
+    name = "ngram"
+
+    def __init__(self, ngram_sizes: Sequence[int] = (4, 3, 2), min_tokens: int = 1):
+        self.sizes = sorted(set(int(n) for n in ngram_sizes), reverse=True)
+        self.min_tokens = min_tokens
+
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams = None, rng=None) -> Draft:
+        if n <= 0:
+            return Draft()
+        arr = np.asarray(seq, dtype=np.int64)
+        for size in self.sizes:
+            if len(arr) <= size:
+                continue
+            tail = arr[-size:]
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], size)
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            hits = hits[hits + size < len(arr)]
+            if len(hits):
+                start = int(hits[-1]) + size
+                tokens = arr[start:start + n].tolist()
+                if len(tokens) >= self.min_tokens:
+                    return Draft(tokens)
+        return Draft()
+
+
+class ModelDrafter:
+    """A quantized variant drafts with its own context, kept in step with the sequence by prefix reuse.
+
+    With `p_min`, drafting stops as soon as the draft's top probability falls below it."""
+
+    def __init__(self, ctx: Context, name: str = "model", p_min: Optional[float] = None,
+                 stop_ids: frozenset[int] = frozenset()):
+        self.ctx = ctx
+        self.name = name
+        self.p_min = p_min
+        self.stop_ids = stop_ids or ctx.model.eog_ids
+
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft:
+        if n <= 0:
+            return Draft()
+        ctx = self.ctx
+        ctx.sync(seq)
+        out, qs = [], []
+        for i in range(n):
+            row = ctx.logits(-1)
+            if sp.greedy:
+                t = greedy_token(row)
+                if self.p_min is not None and _top_prob(row, t) < self.p_min:
+                    break
+            else:
+                q = probs(row, sp)
+                t = sample(q, rng)
+                if self.p_min is not None and float(q.max()) < self.p_min:
+                    break
+                qs.append(q)
+            out.append(t)
+            if t in self.stop_ids or i == n - 1:
+                break  # the last drafted token is decoded lazily, by the next sync, only if it is kept
+            ctx.decode([t], logits="last")
+        return Draft(out, qs if not sp.greedy else None)
+
+
+def _top_prob(row: np.ndarray, top: int) -> float:
+    return float(1.0 / np.exp(row - row[top]).sum())

@@ -1,0 +1,101 @@
+"""Token events -> response records with text and cumulative stats. The last record is the summary."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterator, Optional, Sequence
+
+from specquant_cli.engine import Engine
+from specquant_cli.llama import Detokenizer
+
+STAT_FIELDS = ("prompt_tokens", "new_tokens", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
+               "parent_calls", "prefill_s", "draft_s", "verify_s", "total_s", "tokens_per_s", "finish_reason")
+
+
+@dataclass
+class Response:
+    text: str  # the text this record adds
+    token: Optional[int]
+    from_draft: bool
+    prompt_tokens: int
+    new_tokens: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float  # accepted / drafted
+    mean_accepted_length: float  # new tokens per parent call
+    parent_calls: int
+    prefill_s: float
+    draft_s: float
+    verify_s: float
+    total_s: float
+    tokens_per_s: float  # new tokens / total_s (prefill included)
+    finish_reason: Optional[str] = None  # stop | length | interrupted, on the last record
+
+    def stats(self) -> dict:
+        d = asdict(self)
+        return {k: d[k] for k in STAT_FIELDS}
+
+
+def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finish=None) -> Response:
+    s = engine.stats
+    total = time.perf_counter() - t0
+    return Response(
+        text=text, token=token, from_draft=from_draft, prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens,
+        drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.accepted / s.drafted if s.drafted else 0.0,
+        mean_accepted_length=s.new_tokens / s.parent_calls if s.parent_calls else 0.0,
+        parent_calls=s.parent_calls, prefill_s=s.prefill_s, draft_s=s.draft_s, verify_s=s.verify_s,
+        total_s=total, tokens_per_s=s.new_tokens / total if total > 0 else 0.0, finish_reason=finish)
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that could still grow into a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                best = max(best, k)
+                break
+    return best
+
+
+def stream_generate(engine: Engine, prompt: Sequence[int], max_tokens: int,
+                    stop: Sequence[str] = ()) -> Iterator[Response]:
+    """Yield a record per piece of text; the final record carries finish_reason and the summary stats."""
+    t0 = time.perf_counter()
+    detok = Detokenizer(engine.parent.model)
+    stops = [s for s in stop if s]
+    pending = ""
+    finish = "length"
+    events = engine.generate(prompt, max_tokens)
+    try:
+        for ev in events:
+            if ev.eog:
+                finish = "stop"
+                break
+            pending += detok.add(ev.token)
+            hit = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+            if hit >= 0:
+                yield _record(engine, t0, pending[:hit], ev.token, ev.from_draft)
+                pending, finish = "", "stop"
+                break
+            keep = _held_back(pending, stops)
+            emit, pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
+            yield _record(engine, t0, emit, ev.token, ev.from_draft)
+        pending += detok.flush() if finish != "stop" else ""
+    except KeyboardInterrupt:
+        finish = "interrupted"
+    finally:
+        events.close()
+    yield _record(engine, t0, pending, None, False, finish)
+
+
+def generate_text(engine: Engine, prompt: Sequence[int], max_tokens: int, stop: Sequence[str] = ()):
+    """(full text, token ids, last record) — a convenience over stream_generate."""
+    parts, tokens, last = [], [], None
+    for r in stream_generate(engine, prompt, max_tokens, stop):
+        parts.append(r.text)
+        if r.token is not None:
+            tokens.append(r.token)
+        last = r
+    return "".join(parts), tokens, last

@@ -1,0 +1,81 @@
+"""Scripted-logits stand-ins for llama.cpp contexts: the only fakes, used for the accept/reject math."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+class FakeModel:
+    def __init__(self, n_vocab: int, eog: int):
+        self.n_vocab = n_vocab
+        self.eog_ids = frozenset({eog})
+
+    def piece(self, token: int) -> bytes:
+        return f"<{token}>".encode()
+
+
+class FakeContext:
+    """logits_fn(tokens so far) -> logits row. Tracks tokens exactly like the real adapter."""
+
+    def __init__(self, model: FakeModel, logits_fn: Callable[[Sequence[int]], np.ndarray], n_ctx: int = 512):
+        self.model = model
+        self.fn = logits_fn
+        self.n_ctx = n_ctx
+        self.tokens: list[int] = []
+        self._rows: list[np.ndarray] = []
+        self.decode_calls = 0
+
+    @property
+    def n_past(self):
+        return len(self.tokens)
+
+    def decode(self, tokens, logits="last"):
+        self.decode_calls += 1
+        rows = []
+        for t in tokens:
+            self.tokens.append(t)
+            rows.append(np.asarray(self.fn(self.tokens), dtype=np.float32))
+        self._rows = rows
+
+    def logits(self, i=-1):
+        return self._rows[i]
+
+    def rewind(self, n):
+        del self.tokens[n:]
+
+    def sync(self, tokens, logits="last"):
+        keep = 0
+        for a, b in zip(self.tokens, tokens):
+            if a != b:
+                break
+            keep += 1
+        if keep == len(tokens) and logits != "none":
+            keep = max(0, keep - 1)
+        self.rewind(keep)
+        self.decode(tokens[keep:], logits)
+        return len(tokens) - keep
+
+
+def peaked(token: int, n_vocab: int, height: float = 10.0) -> np.ndarray:
+    row = np.zeros(n_vocab, dtype=np.float32)
+    row[token] = height
+    return row
+
+
+class ScriptedDrafter:
+    """Proposes fixed token lists, one per call (then nothing)."""
+
+    name = "scripted"
+
+    def __init__(self, proposals: list[list[int]]):
+        self.proposals = list(proposals)
+        self.calls = 0
+
+    def propose(self, seq, n, sp=None, rng=None):
+        from specquant_cli.drafters import Draft
+
+        self.calls += 1
+        toks = self.proposals.pop(0) if self.proposals else []
+        return Draft(list(toks[:n]))
