@@ -24,6 +24,9 @@ class Draft:
 class Drafter(Protocol):
     name: str
 
+    def prepare(self, seq: Sequence[int]) -> None:
+        """Catch up on the prompt before the first cycle (a model drafter's prefill)."""
+
     def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft: ...
 
 
@@ -36,6 +39,9 @@ class NGramDrafter:
     def __init__(self, ngram_sizes: Sequence[int] = (4, 3, 2), min_tokens: int = 1):
         self.sizes = sorted(set(int(n) for n in ngram_sizes), reverse=True)
         self.min_tokens = min_tokens
+
+    def prepare(self, seq: Sequence[int]) -> None:
+        pass
 
     def propose(self, seq: Sequence[int], n: int, sp: SamplingParams = None, rng=None) -> Draft:
         if n <= 0:
@@ -68,6 +74,9 @@ class ModelDrafter:
         self.p_min = p_min
         self.stop_ids = stop_ids or ctx.model.eog_ids
 
+    def prepare(self, seq: Sequence[int]) -> None:
+        self.ctx.sync(seq)
+
     def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft:
         if n <= 0:
             return Draft()
@@ -95,3 +104,22 @@ class ModelDrafter:
 
 def _top_prob(row: np.ndarray, top: int) -> float:
     return float(1.0 / np.exp(row - row[top]).sum())
+
+
+class FallbackDrafter:
+    """Free n-gram drafts when the context offers them, the model's drafts otherwise."""
+
+    def __init__(self, first: NGramDrafter, then: ModelDrafter, min_tokens: int = 2):
+        self.first, self.then = first, then
+        self.min_tokens = min_tokens
+        self.name = f"{first.name}+{then.name}"
+        self.ctx = then.ctx
+
+    def prepare(self, seq: Sequence[int]) -> None:
+        self.then.prepare(seq)
+
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft:
+        d = self.first.propose(seq, n, sp, rng)
+        if len(d.tokens) >= min(self.min_tokens, n):
+            return d
+        return self.then.propose(seq, n, sp, rng)

@@ -36,7 +36,7 @@ class EngineStats:
     accepted: int = 0
     parent_calls: int = 0
     cycles_with_draft: int = 0
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # parent and draft prefill
     draft_s: float = 0.0
     verify_s: float = 0.0
     gammas: list[int] = field(default_factory=list)
@@ -70,6 +70,8 @@ class Engine:
         seq = list(prompt)
         t0 = time.perf_counter()
         st.prefill_tokens = self.parent.sync(seq[:-1], logits="none")
+        if self.drafter is not None and hasattr(self.drafter, "prepare"):
+            self.drafter.prepare(seq)
         st.prefill_s = time.perf_counter() - t0
         while st.new_tokens < max_tokens:
             room = max_tokens - st.new_tokens - 1  # the cycle's own token always fits

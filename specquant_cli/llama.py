@@ -80,7 +80,7 @@ def gpu_offload_supported() -> bool:
 class Model:
     """Weights and vocabulary of one GGUF file."""
 
-    def __init__(self, path: Path | str, n_gpu_layers: int = 0):
+    def __init__(self, path: Path | str, n_gpu_layers: int = 0, vocab_only: bool = False):
         import llama_cpp
 
         _default_log()
@@ -89,6 +89,7 @@ class Model:
             raise InputError(f"{self.path}: no such model file")
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
         self._ptr = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
         if not self._ptr:
             raise LlamaError(f"llama.cpp could not load {self.path}")

@@ -1,0 +1,157 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specquant_cli.console import err, out, out_json
+from specquant_cli.options import ConfigOpt, FamilyOpt, PolicyOpt, load_family, read_prompt, stdin_is_tty
+
+HELP = """Chat with a family: routed, speculative, lossless unless the policy says otherwise.
+
+Interactive when stdin is a terminal and no PROMPT is given (or with -i); otherwise the whole stdin is the
+prompt (after PROMPT when both are given), or with --each-line every non-empty line is its own prompt."""
+
+COMMANDS_HELP = "/stats  /route [TEXT]  /policy NAME  /reset  /exit   (Ctrl-C stops an answer, Ctrl-D quits)"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("chat", help=HELP)(chat)
+
+
+def chat(
+    prompt: Optional[str] = typer.Argument(None, help="Prompt text; '-' reads stdin"),
+    family: Optional[Path] = FamilyOpt,
+    policy: str = PolicyOpt,
+    max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="New tokens per answer"),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="0 = off"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Same seed, same sampled output"),
+    system: Optional[str] = typer.Option(None, "--system", help="System message"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
+    gamma: int = typer.Option(4, "--gamma", min=1, max=16, help="Draft length (initial, for adaptive)"),
+    n_ctx: int = typer.Option(4096, "--ctx", min=256, help="Context size"),
+    config: Optional[Path] = ConfigOpt,
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout"),
+    each_line: bool = typer.Option(False, "--each-line", help="Each non-empty input line is its own prompt"),
+    stats: bool = typer.Option(False, "--stats", help="Print generation stats to stderr"),
+    interactive: bool = typer.Option(False, "--interactive", "-i", help="Interactive even when stdin is piped"),
+) -> None:
+    from specquant_cli.policies import check_policy
+    from specquant_cli.router import Router, load_config
+    from specquant_cli.runtime import Runtime
+    from specquant_cli.sampling import SamplingParams
+    from specquant_cli.session import ChatSession
+
+    check_policy(policy)
+    is_interactive = interactive or (prompt is None and stdin_is_tty())
+    prompts = [] if is_interactive else _prompts(prompt, each_line)
+    fam = load_family(family)
+    runtime = Runtime(fam, n_ctx=n_ctx, gamma=gamma)
+    session = ChatSession(runtime, Router(load_config(config), runtime.count_tokens), policy,
+                          SamplingParams(temperature, top_k, top_p, seed), max_tokens, system, stop)
+    try:
+        if is_interactive:
+            _interactive(session, stats)
+        else:
+            for text in prompts:
+                _one(session, text, json_out, stats)
+                session.reset()
+    finally:
+        runtime.close()
+
+
+def _prompts(prompt: Optional[str], each_line: bool) -> list[str]:
+    text = read_prompt(prompt)
+    if not each_line:
+        return [text]
+    return [ln.strip() for ln in text.splitlines() if ln.strip()]
+
+
+def _stats_line(answer) -> str:
+    s = answer.last.stats()
+    lossy = " [lossy]" if answer.plan.lossy else ""
+    return (f"[{answer.route.tier} {answer.route.score:.2f} → {answer.plan.describe()}{lossy}] "
+            f"{s['new_tokens']} tokens in {s['total_s']:.2f}s, {s['tokens_per_s']:.1f} tok/s, "
+            f"accepted {s['accepted']}/{s['drafted']} ({s['acceptance_rate']:.0%}), "
+            f"{s['mean_accepted_length']:.2f} tokens/parent call, finish {s['finish_reason']}")
+
+
+def _one(session, text: str, json_out: bool, stats: bool) -> None:
+    answer, records = session.ask(text, remember=False)
+    if answer.plan.lossy and not json_out:
+        err.print(f"[yellow]note:[/] policy {answer.plan.policy} is lossy: {answer.plan.describe()}")
+    for rec in records:
+        if not json_out and rec.text:
+            out(rec.text, end="")
+    if json_out:
+        out_json(answer.to_dict())
+    else:
+        out("")
+    if stats:
+        err.print(_stats_line(answer), markup=False)
+
+
+def _interactive(session, stats: bool) -> None:
+    err.print(f"specquant chat — family {session.runtime.family.name}, policy {session.policy}. {COMMANDS_HELP}",
+              markup=False)
+    while True:
+        err.print("you> ", end="", markup=False)
+        try:
+            line = input()
+        except EOFError:
+            err.print("")
+            return
+        except KeyboardInterrupt:
+            err.print("\n(Ctrl-D or /exit quits)")
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            if _command(session, line) == "exit":
+                return
+            continue
+        answer, records = session.ask(line)
+        for rec in records:
+            if rec.text:
+                out(rec.text, end="")
+        out("")
+        if answer.last.finish_reason == "interrupted":
+            err.print("(answer stopped)")
+        if stats:
+            err.print(_stats_line(answer), markup=False)
+
+
+def _command(session, line: str) -> Optional[str]:
+    from specquant_cli.errors import SpecquantError
+
+    cmd, _, arg = line.partition(" ")
+    arg = arg.strip()
+    if cmd in ("/exit", "/quit"):
+        return "exit"
+    if cmd == "/reset":
+        session.reset()
+        err.print("history cleared")
+    elif cmd == "/stats":
+        err.print(_stats_line(session.last) if session.last else "no answer yet", markup=False)
+    elif cmd == "/route":
+        text = arg or (session.last.prompt if session.last else "")
+        if not text:
+            err.print("usage: /route TEXT (or ask something first)")
+            return None
+        route, plan = session.plan(text)
+        err.print(f"tier {route.tier}, score {route.score:.3f}, plan {plan.describe()}; features {route.features}",
+                  markup=False)
+    elif cmd == "/policy":
+        try:
+            session.set_policy(arg)
+            err.print(f"policy {arg}")
+        except SpecquantError as e:
+            err.print(f"error: {e}", markup=False)
+    else:
+        err.print(f"unknown command {cmd}; {COMMANDS_HELP}", markup=False)
+    return None
