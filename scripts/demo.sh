@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Set up (.venv, install, demo family), then the main job on the demo family.
+# Set up (.venv, install, demo family), then the main job on the demo family:
+# the doctor's placement report, a routed answer to a piped prompt, and a short bench.
 source "$(dirname "$0")/_setup.sh"
 FAMILY=models/smollm2-135m
 echo "== specquant doctor --family $FAMILY" >&2
 specquant doctor --family "$FAMILY"
+echo "== echo '…' | specquant chat --stats" >&2
+echo "Explain in two sentences why the sky is blue." | specquant chat --family "$FAMILY" --max-tokens 96 --stats

@@ -50,9 +50,9 @@ app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty
 
 
 def _register() -> None:
-    from specquant_cli.commands import chat, doctor, pull, quantize, route
+    from specquant_cli.commands import bench, chat, doctor, pull, quantize, route
 
-    for mod in (pull, quantize, doctor, route, chat):
+    for mod in (pull, quantize, doctor, route, chat, bench):
         mod.register(app)
 
 

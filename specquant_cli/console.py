@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+def _width():
+    """Terminal width on a terminal; wide enough for the report tables when stderr goes to a file or pipe."""
+    if os.environ.get("COLUMNS", "").isdigit():
+        return int(os.environ["COLUMNS"])
+    return None if sys.stderr.isatty() else 160
+
+
+err = Console(stderr=True, highlight=False, soft_wrap=True, width=_width())
 
 
 def out(text: str = "", end: str = "\n") -> None:

@@ -51,7 +51,7 @@ def plan_for(policy: str, tier: Optional[str]) -> Plan:
     table = {
         "parent": ("f16", None, False), "spec-q4": ("f16", "q4", False), "spec-q8": ("f16", "q8", False),
         "ngram": ("f16", "ngram", False), "adaptive": ("f16", "ngram+q4", True),
-        "quasar": ("q8", "ngram", False), "q4": ("q4", None, False), "q8": ("q8", None, False),
+        "quasar": ("q8", "ngram", True), "q4": ("q4", None, False), "q8": ("q8", None, False),
     }
     target, draft, adaptive = table[policy]
     return Plan(policy, tier, target, draft, adaptive, policy in LOSSY)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
@@ -19,6 +20,7 @@ class Answer:
     plan: Plan
     text: str = ""
     last: Optional[Response] = None
+    route_s: float = 0.0  # spaCy scoring time, before generation starts
 
     def to_dict(self) -> dict:
         return {
@@ -59,8 +61,9 @@ class ChatSession:
 
     def ask(self, text: str, remember: bool = True) -> tuple[Answer, Iterator[Response]]:
         """Route and plan now; the returned iterator generates (and fills `answer` as it goes)."""
+        t0 = time.perf_counter()
         route, plan = self.plan(text)
-        answer = Answer(text, route, plan)
+        answer = Answer(text, route, plan, route_s=time.perf_counter() - t0)
         engine = self.runtime.engine(plan, self.sampling)
         prompt = engine.parent.model.chat_prompt(self.messages(text))
 

@@ -1,0 +1,1 @@
+"""`specquant bench`: datasets, the interleaved runner, and reports."""

@@ -1,0 +1,157 @@
+"""Bench records -> per-policy and per-category summaries; rich table, markdown, JSON, plot."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+from specquant_cli.errors import InputError
+from specquant_cli.fsutil import atomic_path, write_json_atomic
+
+
+def _mean(xs) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.mean(xs) if xs else None
+
+
+def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
+    """One object per policy. speedup = mean tok/s of the policy / mean tok/s of parent, same prompts."""
+    by = defaultdict(list)
+    for r in records:
+        by[r.policy].append(r)
+    base = _mean(r.tokens_per_s for r in by.get("parent", []))
+    out = []
+    for p in policies:
+        rs = by.get(p, [])
+        if not rs:
+            continue
+        tps = _mean(r.tokens_per_s for r in rs)
+        drafted, accepted = sum(r.drafted for r in rs), sum(r.accepted for r in rs)
+        new, calls = sum(r.new_tokens for r in rs), sum(r.parent_calls for r in rs)
+        busy = sum(r.prefill_s + r.draft_s + r.verify_s for r in rs) or 1.0
+        ident = [r.identical for r in rs if r.identical is not None]
+        correct = [r.correct for r in rs if r.correct is not None]
+        out.append({
+            "policy": p, "prompts": len(rs), "lossy": any(r.lossy for r in rs),
+            "tokens_per_s": round(tps, 3), "speedup": round(tps / base, 4) if base else None,
+            "identical_rate": round(sum(ident) / len(ident), 4) if ident else None,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "mean_accepted_length": round(new / calls, 3) if calls else None,
+            "tiers": {t: round(sum(r.tier == t for r in rs) / len(rs), 3) for t in ("low", "medium", "high")},
+            "accuracy": round(sum(correct) / len(correct), 4) if correct else None,
+            "accuracy_n": len(correct),
+            "peak_rss_mb": max(r.rss_mb for r in rs),
+            "time_split": {"prefill": round(sum(r.prefill_s for r in rs) / busy, 3),
+                           "draft": round(sum(r.draft_s for r in rs) / busy, 3),
+                           "verify": round(sum(r.verify_s for r in rs) / busy, 3)},
+            "new_tokens": new,
+        })
+    return out
+
+
+def by_category(records: Sequence, policies: Sequence[str]) -> dict[str, list[dict]]:
+    cats = defaultdict(list)
+    for r in records:
+        cats[r.category].append(r)
+    return {c: summarize(rs, policies) for c, rs in sorted(cats.items())}
+
+
+def _fmt(v, pct=False, x=False) -> str:
+    if v is None:
+        return "–"
+    if pct:
+        return f"{v:.1%}"
+    if x:
+        return f"{v:.2f}x"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+COLUMNS = ("policy", "tok/s", "speedup", "identical", "acceptance", "accepted/call", "low/med/high", "accuracy",
+           "draft/verify/prefill", "peak RSS")
+
+
+def rows(summary: list[dict]) -> list[list[str]]:
+    out = []
+    for s in summary:
+        t, sp = s["tiers"], s["time_split"]
+        out.append([s["policy"] + (" (lossy)" if s["lossy"] else ""), _fmt(s["tokens_per_s"]),
+                    _fmt(s["speedup"], x=True), _fmt(s["identical_rate"], pct=True),
+                    _fmt(s["acceptance_rate"], pct=True), _fmt(s["mean_accepted_length"]),
+                    f"{t['low']:.0%}/{t['medium']:.0%}/{t['high']:.0%}",
+                    f"{_fmt(s['accuracy'], pct=True)} (n={s['accuracy_n']})" if s["accuracy_n"] else "–",
+                    f"{sp['draft']:.0%}/{sp['verify']:.0%}/{sp['prefill']:.0%}", f"{s['peak_rss_mb']:.0f} MB"])
+    return out
+
+
+def rich_table(summary: list[dict], title: str):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in COLUMNS:
+        t.add_column(c, justify="left" if c == "policy" else "right")
+    for r in rows(summary):
+        t.add_row(*r)
+    return t
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# specquant bench: {report['family']['name']}", "",
+             f"- command: `{report['command']}`",
+             f"- {report['config']['items']} prompts × {len(report['config']['policies'])} policies, "
+             f"{report['config']['max_tokens']} new tokens, temperature {report['config']['temperature']}, "
+             f"repeats {report['config']['repeats']}",
+             f"- machine: {report['machine']['cores_physical']} cores, "
+             f"{report['machine']['ram_total'] / 2**30:.1f} GiB RAM, GPUs: "
+             f"{', '.join(g['name'] for g in report['machine']['gpus']) or 'none'}",
+             f"- provenance: {report['family']['provenance']}",
+             f"- caveat: {report['family']['caveat']}", "", "## All prompts", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows(report["summary"])]
+    for cat, summ in report["by_category"].items():
+        lines += ["", f"## {cat}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows(summ)]
+    return "\n".join(lines) + "\n"
+
+
+def check_plot_available() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise InputError("--plot needs matplotlib, which is not installed; install it with: "
+                         "pip install 'specquant[plot]'") from None
+
+
+def plot(summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in summary:
+        if s["speedup"] is None:
+            continue
+        y = s["identical_rate"] if s["identical_rate"] is not None else 0.0
+        ax.scatter(s["speedup"], y, s=60, color="tab:red" if s["lossy"] else "tab:blue")
+        ax.annotate(s["policy"], (s["speedup"], y), textcoords="offset points", xytext=(5, 5), fontsize=9)
+    ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("speedup over parent (F16 alone)")
+    ax.set_ylabel("identical-output rate (greedy)")
+    ax.set_ylim(-0.05, 1.1)
+    ax.set_title("specquant policies: speed vs fidelity (red = lossy)")
+    fig.tight_layout()
+    with atomic_path(Path(path)) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(report: dict, json_out: Optional[Path], md_out: Optional[Path], plot_out: Optional[Path]) -> None:
+    if json_out:
+        write_json_atomic(json_out, report)
+    if md_out:
+        with atomic_path(Path(md_out)) as tmp:
+            tmp.write_text(markdown(report), encoding="utf-8")
+    if plot_out:
+        plot(report["summary"], plot_out)

@@ -1,0 +1,112 @@
+"""Every policy on the same prompts, interleaved per prompt, each run from empty caches."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
+
+from specquant_cli.bench.datasets import Item, extract_answer
+from specquant_cli.router import Router
+from specquant_cli.runtime import Runtime
+from specquant_cli.sampling import SamplingParams
+from specquant_cli.session import ChatSession
+
+
+@dataclass
+class Record:
+    item: str
+    category: str
+    policy: str
+    tier: str
+    plan: str
+    lossy: bool
+    new_tokens: int
+    prompt_tokens: int
+    total_s: float
+    tokens_per_s: float  # new tokens / wall time (prefill included; routing too for 'paper'), mean over repeats
+    route_s: float
+    prefill_s: float
+    draft_s: float
+    verify_s: float
+    drafted: int
+    accepted: int
+    parent_calls: int
+    finish_reason: str
+    identical: Optional[bool]  # greedy tokens equal parent's (None: not greedy or no reference run)
+    correct: Optional[bool]  # final answer equals the reference's (None: no reference)
+    rss_mb: float
+    text: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def warm_up(runtime: Runtime, roles: Sequence[str], runs: int) -> None:
+    """A few short generations per model before anything is timed."""
+    from specquant_cli.engine import Engine
+    from specquant_cli.stream import generate_text
+
+    for role in roles:
+        ctx = runtime.context(role)
+        prompt = ctx.model.chat_prompt([{"role": "user", "content": "Say hello."}])
+        for _ in range(runs):
+            generate_text(Engine(ctx), prompt, 8)
+
+
+def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Sequence[str], max_tokens: int,
+        sp: SamplingParams, repeats: int = 1, warmup: int = 1,
+        progress: Optional[Callable[[str], None]] = None) -> list[Record]:
+    from specquant_cli.policies import plan_for
+
+    roles = sorted({r for p in policies for t in ("low", "medium", "high") for r in plan_for(p, t).roles})
+    runtime.ensure(roles)
+    warm_up(runtime, roles, warmup)
+    records: list[Record] = []
+    for item in items:
+        parent_tokens = None
+        for policy in policies:  # interleaved: machine drift hits every policy alike
+            session = ChatSession(runtime, router, policy, sp, max_tokens)
+            runs = []
+            for _ in range(max(1, repeats)):
+                for role in runtime.loaded():
+                    runtime.context(role).reset()  # each run pays its own prefill, like a fresh request
+                answer, recs = session.ask(item.prompt, remember=False)
+                tokens = [r.token for r in recs if r.token is not None]
+                runs.append((answer, tokens))
+            answer, tokens = runs[-1]
+            if policy == "parent":
+                parent_tokens = tokens
+            records.append(_record(item, policy, answer, tokens, runs, parent_tokens, sp))
+            if progress:
+                progress(f"{item.id} {policy}")
+    return records
+
+
+def _tps(policy: str, answer) -> float:
+    """Only 'paper' needs the route to pick its plan, so only its wall time includes the scoring."""
+    wall = answer.last.total_s + (answer.route_s if policy == "paper" else 0.0)
+    return answer.last.new_tokens / wall if wall > 0 else 0.0
+
+
+def _record(item: Item, policy: str, answer, tokens, runs, parent_tokens, sp) -> Record:
+    s = answer.last
+    identical = None
+    if sp.greedy and parent_tokens is not None:
+        identical = tokens == parent_tokens
+    correct = None
+    if item.reference is not None:
+        correct = extract_answer(answer.text) == item.reference
+    return Record(
+        item=item.id, category=item.category, policy=policy, tier=answer.route.tier, plan=answer.plan.describe(),
+        lossy=answer.plan.lossy, new_tokens=s.new_tokens, prompt_tokens=s.prompt_tokens, total_s=s.total_s,
+        tokens_per_s=statistics.mean(_tps(policy, a) for a, _ in runs), route_s=answer.route_s, prefill_s=s.prefill_s,
+        draft_s=s.draft_s, verify_s=s.verify_s, drafted=s.drafted, accepted=s.accepted, parent_calls=s.parent_calls,
+        finish_reason=s.finish_reason, identical=identical, correct=correct, rss_mb=round(_rss_mb(), 1),
+        text=answer.text)

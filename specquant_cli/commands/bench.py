@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specquant_cli.console import err
+from specquant_cli.options import ConfigOpt, FamilyOpt, load_family
+
+DEFAULT_POLICIES = "parent,spec-q4,spec-q8,paper,ngram,quasar,adaptive,q4,q8"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench", help="Measure policies side by side on the same prompts: speed, acceptance, fidelity, "
+                              "accuracy.")(bench)
+
+
+def bench(
+    family: Optional[Path] = FamilyOpt,
+    dataset: list[Path] = typer.Option([], "--dataset", help="Spec-Bench-format JSONL (repeatable); "
+                                                             "default: the built-in prompt set"),
+    categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories"),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most N prompts per category"),
+    policies: str = typer.Option(DEFAULT_POLICIES, "--policies", help="Comma-separated policies"),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (identical_rate needs it)"),
+    seed: int = typer.Option(0, "--seed"),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="Timed runs per prompt and policy"),
+    warmup: int = typer.Option(1, "--warmup", min=0, help="Warm-up generations per model before timing"),
+    gamma: int = typer.Option(4, "--gamma", min=1, max=16),
+    n_ctx: int = typer.Option(4096, "--ctx", min=256),
+    config: Optional[Path] = ConfigOpt,
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report (records + summary)"),
+    md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown report"),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="PNG of speedup vs identical rate"),
+) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specquant_cli.bench import datasets, report, runner
+    from specquant_cli.fetch import INFLATION_NOTE
+    from specquant_cli.hardware import detect
+    from specquant_cli.policies import check_policy
+    from specquant_cli.router import Router, load_config
+    from specquant_cli.runtime import Runtime
+    from specquant_cli.sampling import SamplingParams
+
+    names = [check_policy(p.strip()) for p in policies.split(",") if p.strip()]
+    names = ["parent"] + [p for p in dict.fromkeys(names) if p != "parent"]  # the baseline runs first
+    if plot_out:
+        report.check_plot_available()
+    cats = [c.strip() for c in categories.split(",")] if categories else None
+    items = datasets.load(dataset, cats, limit)
+    fam = load_family(family)
+    facts = detect()
+    runtime = Runtime(fam, n_ctx=n_ctx, gamma=gamma, facts=facts)
+    router = Router(load_config(config), runtime.count_tokens)
+    sp = SamplingParams(temperature=temperature, seed=seed)
+    t0 = time.perf_counter()
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err) as prog:
+            task = prog.add_task("bench", total=len(items) * len(names))
+            records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup,
+                                 lambda what: prog.update(task, advance=1, description=what))
+    finally:
+        runtime.close()
+    summary = report.summarize(records, names)
+    rep = {
+        "command": " ".join(["specquant"] + [shlex.quote(a) for a in sys.argv[1:]]),
+        "machine": facts.to_dict(),
+        "family": {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance, "caveat": INFLATION_NOTE,
+                   "roles": fam.manifest.get("roles", {})},
+        "config": {"items": len(items), "policies": names, "max_tokens": max_tokens, "temperature": temperature,
+                   "seed": seed, "repeats": repeats, "warmup": warmup, "gamma": gamma, "n_ctx": n_ctx,
+                   "datasets": [str(d) for d in dataset] or ["builtin"], "categories": cats, "limit": limit},
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "summary": summary,
+        "by_category": report.by_category(records, names),
+        "records": [r.to_dict() for r in records],
+    }
+    err.print(report.rich_table(summary, f"{fam.name}: {len(items)} prompts, {max_tokens} new tokens"))
+    err.print(f"provenance: {fam.provenance}\ncaveat: {INFLATION_NOTE}", markup=False)
+    report.write_outputs(rep, json_out, md_out, plot_out)

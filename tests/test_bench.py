@@ -1,0 +1,112 @@
+import json
+import statistics
+
+import pytest
+
+from conftest import run_cli
+from specquant_cli.bench.datasets import builtin, extract_answer, final_answer, load
+
+
+@pytest.fixture(scope="module")
+def report(family_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    r = run_cli(["bench", "--family", str(family_dir), "--categories", "qa,math", "--limit", "1",
+                 "--policies", "parent,spec-q4", "--max-tokens", "16", "--warmup", "1",
+                 "--json", str(out / "b.json"), "--markdown", str(out / "b.md")])
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout == ""  # the table goes to stderr
+    return json.loads((out / "b.json").read_text()), (out / "b.md").read_text(), r.stderr
+
+
+def test_json_schema(report):
+    rep, _, _ = report
+    assert set(rep) >= {"command", "machine", "family", "config", "summary", "by_category", "records"}
+    assert "dequantized" in rep["family"]["provenance"] and rep["family"]["caveat"]
+    assert rep["machine"]["cores_logical"] >= 1
+    assert [s["policy"] for s in rep["summary"]] == ["parent", "spec-q4"]
+    for s in rep["summary"]:
+        assert set(s) >= {"policy", "tokens_per_s", "speedup", "identical_rate", "acceptance_rate",
+                          "mean_accepted_length", "tiers", "accuracy", "peak_rss_mb", "time_split"}
+    assert len(rep["records"]) == 2 * 2 and {r["category"] for r in rep["records"]} == {"qa", "math"}
+    assert set(rep["by_category"]) == {"qa", "math"}
+
+
+def test_speedup_is_the_ratio_of_measured_means(report):
+    rep, _, _ = report
+    tps = {p: statistics.mean(r["tokens_per_s"] for r in rep["records"] if r["policy"] == p)
+           for p in ("parent", "spec-q4")}
+    summ = {s["policy"]: s for s in rep["summary"]}
+    assert summ["parent"]["speedup"] == pytest.approx(1.0)
+    assert summ["spec-q4"]["speedup"] == pytest.approx(tps["spec-q4"] / tps["parent"], rel=1e-3)
+    assert summ["spec-q4"]["tokens_per_s"] == pytest.approx(tps["spec-q4"], rel=1e-3)
+    for r in rep["records"]:
+        assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / r["total_s"], rel=0.05)
+
+
+def test_lossless_policy_is_identical_under_greedy(report):
+    rep, _, _ = report
+    summ = {s["policy"]: s for s in rep["summary"]}
+    assert summ["spec-q4"]["identical_rate"] == 1.0
+    assert summ["spec-q4"]["acceptance_rate"] > 0
+    texts = {}
+    for r in rep["records"]:
+        texts.setdefault(r["item"], set()).add(r["text"])
+    assert all(len(t) == 1 for t in texts.values())
+
+
+def test_accuracy_counts_math_items(report):
+    rep, md, _ = report
+    summ = {s["policy"]: s for s in rep["summary"]}
+    assert summ["parent"]["accuracy_n"] == 1 and summ["parent"]["accuracy"] in (0.0, 1.0)
+    assert "## math" in md and "| parent |" in md and "provenance" in md
+
+
+def test_gsm8k_reference_extraction():
+    assert final_answer("Allen is 99 now.\n#### 109") == "109"
+    assert final_answer("He pays 1,250 dollars.\n#### 1,250") == "1250"
+    assert final_answer("no final answer here") is None
+
+
+def test_model_answer_extraction():
+    assert extract_answer("So the answer is 42.") == "42"
+    assert extract_answer("First 3 apples, then 4 more: 7 apples in total.\n#### 7") == "7"
+    assert extract_answer("It costs $1,200.50 in total") == "1200.5"
+    assert extract_answer("The total is 18.0") == "18"
+    assert extract_answer("#### 12 (we also saw 99)") == "12"
+    assert extract_answer("no numbers") is None
+
+
+def test_shared_datasets_load(tmp_path):
+    items = builtin()
+    assert len(items) >= 24 and {i.category for i in items} >= {"qa", "math", "code", "summarization",
+                                                                  "translation", "instruction"}
+    f = tmp_path / "g.jsonl"
+    f.write_text('{"question_id": 1, "category": "math", "turns": ["1+1?"], "reference": ["#### 2"]}\n'
+                 '{"question_id": 2, "category": "qa", "turns": ["Hi?", "More?"]}\n')
+    got = load([f], ["math"], None)
+    assert len(got) == 1 and got[0].reference == "2" and got[0].prompt.startswith("1+1?")
+
+
+def test_bad_dataset_and_category_are_one_line(tmp_path, family_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "no turns"}\n')
+    r = run_cli(["bench", "--family", str(family_dir), "--dataset", str(bad)])
+    assert r.exit_code == 1 and "not a Spec-Bench question" in r.stderr and r.stderr.count("\n") == 1
+    r = run_cli(["bench", "--family", str(family_dir), "--categories", "poetry"])
+    assert r.exit_code == 1 and "no items in category 'poetry'" in r.stderr
+
+
+def test_plot_without_matplotlib_is_a_clear_message(tmp_path, family_dir, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    r = run_cli(["bench", "--family", str(family_dir), "--plot", str(tmp_path / "p.png")])
+    assert r.exit_code == 1 and "pip install 'specquant[plot]'" in r.stderr
+    assert not (tmp_path / "p.png").exists()
