@@ -7,3 +7,5 @@ echo "== specquant doctor --family $FAMILY" >&2
 specquant doctor --family "$FAMILY"
 echo "== echo '…' | specquant chat --stats" >&2
 echo "Explain in two sentences why the sky is blue." | specquant chat --family "$FAMILY" --max-tokens 96 --stats
+echo "== specquant bench (short: 2 prompts, 2 policies)" >&2
+specquant bench --family "$FAMILY" --categories qa,code --limit 1 --policies parent,adaptive --max-tokens 32

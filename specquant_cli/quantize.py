@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 from specquant_cli import family as fam
 from specquant_cli.errors import InputError, LlamaError, ModelFileError, ResourceError
-from specquant_cli.fsutil import atomic_path, sha256_file, temp_path_for
+from specquant_cli.fsutil import atomic_path, sha256_file
 from specquant_cli.ggufio import GGUFInfo, read_info
 
 
@@ -180,5 +179,3 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
     fam.write_manifest(out_dir, manifest)
     return manifest
 
-
-__all__ = ["QUANT_TYPES", "DEFAULT_TYPES", "parse_types", "quantize_family", "temp_path_for"]

@@ -58,8 +58,8 @@ class Runtime:
         placement = require_fit(self.facts, self.family, self.loaded() + missing, self.n_ctx)
         for role in missing:
             model = Model(self.family.path(role), n_gpu_layers=placement.gpu_layers.get(role, 0))
-            if self._ctx and role != "f16" and "f16" in self._ctx:
-                check_same_vocab(self._ctx["f16"].model, model)
+            if self._ctx:  # every model of a session must speak the same vocabulary
+                check_same_vocab(next(iter(self._ctx.values())).model, model)
             self._ctx[role] = Context(model, self.n_ctx, n_threads=self.threads)
 
     def context(self, role: str) -> Context:

@@ -96,6 +96,8 @@ def _one(session, text: str, json_out: bool, stats: bool) -> None:
 
 
 def _interactive(session, stats: bool) -> None:
+    from specquant_cli.errors import SpecquantError
+
     err.print(f"specquant chat — family {session.runtime.family.name}, policy {session.policy}. {COMMANDS_HELP}",
               markup=False)
     while True:
@@ -115,10 +117,14 @@ def _interactive(session, stats: bool) -> None:
             if _command(session, line) == "exit":
                 return
             continue
-        answer, records = session.ask(line)
-        for rec in records:
-            if rec.text:
-                out(rec.text, end="")
+        try:
+            answer, records = session.ask(line)
+            for rec in records:
+                if rec.text:
+                    out(rec.text, end="")
+        except SpecquantError as e:  # e.g. the conversation outgrew the context: the session goes on
+            err.print(f"error: {e} (/reset starts over)", markup=False)
+            continue
         out("")
         if answer.last.finish_reason == "interrupted":
             err.print("(answer stopped)")
