@@ -65,23 +65,30 @@ class NGramDrafter:
 class ModelDrafter:
     """A quantized variant drafts with its own context, kept in step with the sequence by prefix reuse.
 
-    With `p_min`, drafting stops as soon as the draft's top probability falls below it."""
+    With `p_min`, drafting stops as soon as the draft's top probability falls below it. With `window`, the
+    draft reads only the last `window` tokens of the prompt (plus everything generated since): its prefill
+    of a long prompt, pure overhead, is bounded, while the parent still verifies with the full context."""
 
     def __init__(self, ctx: Context, name: str = "model", p_min: Optional[float] = None,
-                 stop_ids: frozenset[int] = frozenset()):
+                 stop_ids: frozenset[int] = frozenset(), window: Optional[int] = None):
         self.ctx = ctx
         self.name = name
         self.p_min = p_min
         self.stop_ids = stop_ids or ctx.model.eog_ids
+        self.window = window
+        self.start = 0  # first token of the sequence the draft context holds
 
     def prepare(self, seq: Sequence[int]) -> None:
-        self.ctx.sync(seq)
+        self.start = max(0, len(seq) - self.window) if self.window else 0
+        self.ctx.sync(seq[self.start:])
 
     def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft:
         if n <= 0:
             return Draft()
         ctx = self.ctx
-        ctx.sync(seq)
+        if self.start >= len(seq):  # a new, shorter sequence without prepare()
+            self.start = 0
+        ctx.sync(seq[self.start:])
         out, qs = [], []
         for i in range(n):
             row = ctx.logits(-1)
@@ -107,19 +114,30 @@ def _top_prob(row: np.ndarray, top: int) -> float:
 
 
 class FallbackDrafter:
-    """Free n-gram drafts when the context offers them, the model's drafts otherwise."""
+    """Free n-gram drafts when the context offers them, the model's drafts otherwise.
 
-    def __init__(self, first: NGramDrafter, then: ModelDrafter, min_tokens: int = 2):
+    The model drafter wakes up only once the answer is `activate_after` tokens long: its prefill costs
+    ~2/3 of the parent's per token on a CPU, more than short answers can win back, so a short answer never
+    pays it and a long one pays it once (bounded by the drafter's window)."""
+
+    def __init__(self, first: NGramDrafter, then: ModelDrafter, min_tokens: int = 2, activate_after: int = 32):
         self.first, self.then = first, then
         self.min_tokens = min_tokens
+        self.activate_after = activate_after
         self.name = f"{first.name}+{then.name}"
         self.ctx = then.ctx
+        self._prompt_len = 0
+        self._active = False
 
     def prepare(self, seq: Sequence[int]) -> None:
-        self.then.prepare(seq)
+        self._prompt_len = len(seq)
+        self._active = False
 
     def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft:
         d = self.first.propose(seq, n, sp, rng)
-        if len(d.tokens) >= min(self.min_tokens, n):
+        if len(d.tokens) >= min(self.min_tokens, n) or len(seq) - self._prompt_len < self.activate_after:
             return d
+        if not self._active:
+            self.then.prepare(seq)
+            self._active = True
         return self.then.propose(seq, n, sp, rng)

@@ -173,17 +173,24 @@ class Model:
     # -- chat -----------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` rendered with the GGUF's own chat template, ready for generation."""
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        template = self.meta("tokenizer.chat_template")
-        if not template:
+        fmt = self._chat_formatter()
+        if fmt is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
             return self.tokenize(text, add_bos=self.add_bos())
-        bos_text, eos_text = self.token_text(self.bos()), self.token_text(self.eos())
-        fmt = Jinja2ChatFormatter(template=template, eos_token=eos_text, bos_token=bos_text)
         text = fmt(messages=messages).prompt
+        bos_text = fmt.bos_token
         add_bos = self.add_bos() and not (bos_text and text.startswith(bos_text))
         return self.tokenize(text, add_bos=add_bos, special=True)
+
+    def _chat_formatter(self):
+        """llama-cpp-python's Jinja formatter over the GGUF's template, compiled once per model."""
+        if not hasattr(self, "_fmt"):
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            template = self.meta("tokenizer.chat_template")
+            self._fmt = Jinja2ChatFormatter(template=template, eos_token=self.token_text(self.eos()),
+                                            bos_token=self.token_text(self.bos())) if template else None
+        return self._fmt
 
     def close(self) -> None:
         import llama_cpp

@@ -13,15 +13,18 @@ from specquant_cli.llama import Context, Model, check_same_vocab
 from specquant_cli.policies import Plan
 from specquant_cli.sampling import SamplingParams
 
+DRAFT_WINDOW = 128  # prompt tokens a model drafter reads; its prefill beyond that is pure overhead
+
 
 class Runtime:
     def __init__(self, family: Family, n_ctx: int = 4096, gamma: int = 4, threads: Optional[int] = None,
-                 p_min: Optional[float] = None, facts=None):
+                 p_min: Optional[float] = None, facts=None, draft_window: Optional[int] = DRAFT_WINDOW):
         self.family = family
         self.n_ctx = n_ctx
         self.gamma = gamma
         self.threads = threads
         self.p_min = p_min
+        self.draft_window = draft_window
         self._facts = facts
         self._ctx: dict[str, Context] = {}
         self._vocab: Optional[Model] = None
@@ -73,9 +76,9 @@ class Runtime:
         if plan.draft == "ngram":
             drafter = NGramDrafter()
         elif plan.draft == "ngram+q4":
-            drafter = FallbackDrafter(NGramDrafter(), ModelDrafter(self._ctx["q4"], "q4", self.p_min))
+            drafter = FallbackDrafter(NGramDrafter((4, 3)), self._model_drafter("q4"))
         elif plan.draft:
-            drafter = ModelDrafter(self._ctx[plan.draft], plan.draft, self.p_min)
+            drafter = self._model_drafter(plan.draft)
         if drafter is None:
             gamma = FixedGamma(0)
         elif plan.adaptive_gamma:
@@ -83,6 +86,9 @@ class Runtime:
         else:
             gamma = FixedGamma(self.gamma)
         return Engine(target, drafter, gamma, sp)
+
+    def _model_drafter(self, role: str) -> ModelDrafter:
+        return ModelDrafter(self._ctx[role], role, self.p_min, window=self.draft_window)
 
     def close(self) -> None:
         for c in self._ctx.values():

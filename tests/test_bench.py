@@ -110,3 +110,13 @@ def test_plot_without_matplotlib_is_a_clear_message(tmp_path, family_dir, monkey
     r = run_cli(["bench", "--family", str(family_dir), "--plot", str(tmp_path / "p.png")])
     assert r.exit_code == 1 and "pip install 'specquant[plot]'" in r.stderr
     assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_writes_a_png(report, tmp_path):
+    pytest.importorskip("matplotlib")  # installed by the test extra; skipped only outside scripts/test.sh
+    from specquant_cli.bench.report import plot
+
+    rep, _, _ = report
+    out = tmp_path / "speed.png"
+    plot(rep["summary"], out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000

@@ -189,3 +189,39 @@ def test_seeded_sampling_is_reproducible():
         eng = Engine(ctx, NGramDrafter(), FixedGamma(3), SamplingParams(temperature=0.8, seed=42))
         outs.append([e.token for e in eng.generate([1, 2, 3], 12)])
     assert outs[0] == outs[1]
+
+
+def test_fallback_drafter_prefers_ngram_and_wakes_the_model_late():
+    from specquant_cli.drafters import FallbackDrafter, ModelDrafter
+
+    model = FakeModel(V, EOG)
+    draft_ctx = FakeContext(model, counting)
+    fb = FallbackDrafter(NGramDrafter((3,)), ModelDrafter(draft_ctx, "fake"), activate_after=4)
+    prompt = [1, 2, 3, 9, 1, 2]
+    fb.prepare(prompt)
+    assert draft_ctx.decode_calls == 0  # no draft prefill up front
+    assert fb.propose(prompt + [3], 2, SamplingParams(), None).tokens == [9, 1]  # n-gram hit
+    assert fb.propose(prompt + [5], 2, SamplingParams(), None).tokens == []  # miss, model still asleep
+    long = prompt + [5, 6, 7, 8]
+    assert fb.propose(long, 2, SamplingParams(), None).tokens == [9, 10]  # model drafts after 4 new tokens
+    assert draft_ctx.decode_calls >= 1
+
+
+def test_model_drafter_window_bounds_the_draft_prefill():
+    from specquant_cli.drafters import ModelDrafter
+
+    ctx = FakeContext(FakeModel(V, EOG), counting)
+    d = ModelDrafter(ctx, "fake", window=3)
+    seq = list(range(10))
+    d.prepare(seq)
+    assert ctx.tokens == [7, 8, 9]
+    assert d.propose(seq + [10], 2, SamplingParams(), None).tokens == [11, 12]
+    assert ctx.tokens[:4] == [7, 8, 9, 10]
+
+
+def test_verify_cost_prior_scales_from_the_nearest_measured_size():
+    g = AdaptiveGamma()
+    g.t_verify = {5: 0.2}
+    assert g._verify_cost(5) == 0.2
+    assert g._verify_cost(1) == pytest.approx(0.2 / 1.8)
+    assert g._verify_cost(9) == pytest.approx(0.2 * 2.2 / 1.8)

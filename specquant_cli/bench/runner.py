@@ -62,7 +62,7 @@ def warm_up(runtime: Runtime, roles: Sequence[str], runs: int) -> None:
 
 def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Sequence[str], max_tokens: int,
         sp: SamplingParams, repeats: int = 1, warmup: int = 1,
-        progress: Optional[Callable[[str], None]] = None) -> list[Record]:
+        progress: Optional[Callable[[Record], None]] = None) -> list[Record]:
     from specquant_cli.policies import plan_for
 
     roles = sorted({r for p in policies for t in ("low", "medium", "high") for r in plan_for(p, t).roles})
@@ -85,7 +85,7 @@ def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Seque
                 parent_tokens = tokens
             records.append(_record(item, policy, answer, tokens, runs, parent_tokens, sp))
             if progress:
-                progress(f"{item.id} {policy}")
+                progress(records[-1])
     return records
 
 

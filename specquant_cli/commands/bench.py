@@ -60,12 +60,23 @@ def bench(
     router = Router(load_config(config), runtime.count_tokens)
     sp = SamplingParams(temperature=temperature, seed=seed)
     t0 = time.perf_counter()
+    total = len(items) * len(names)
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err) as prog:
-            task = prog.add_task("bench", total=len(items) * len(names))
-            records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup,
-                                 lambda what: prog.update(task, advance=1, description=what))
+        if err.is_terminal:
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=err) as prog:
+                task = prog.add_task("bench", total=total)
+                records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup,
+                                     lambda r: prog.update(task, advance=1, description=f"{r.item} {r.policy}"))
+        else:  # a log file or a pipe: one line per run instead of a redrawn bar
+            done = [0]
+
+            def line(r) -> None:
+                done[0] += 1
+                err.print(f"[{done[0]}/{total} {time.perf_counter() - t0:.0f}s] {r.item} {r.policy}: "
+                          f"{r.tokens_per_s:.2f} tok/s, {r.new_tokens} tokens", markup=False)
+
+            records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup, line)
     finally:
         runtime.close()
     summary = report.summarize(records, names)
