@@ -7,10 +7,9 @@ so an interrupted cycle is repaired by the next prefix sync; the rewind after ve
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
-import numpy as np
 
 from specquant_cli.drafters import Draft, Drafter
 from specquant_cli.errors import InputError
@@ -39,7 +38,6 @@ class EngineStats:
     prefill_s: float = 0.0  # parent and draft prefill
     draft_s: float = 0.0
     verify_s: float = 0.0
-    gammas: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -98,7 +96,6 @@ class Engine:
         st.draft_s += self._last_draft_s
         st.drafted += len(draft.tokens)
         st.cycles_with_draft += bool(draft.tokens)
-        st.gammas.append(len(draft.tokens))
         return draft
 
     def _verify(self, seq: list[int], draft: Draft) -> tuple[int, int, float]:
