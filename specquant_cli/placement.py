@@ -31,9 +31,9 @@ def family_plans(facts: Facts, fam, n_ctx: int) -> dict:
 def require_fit(facts: Facts, fam, roles: list[str], n_ctx: int) -> Placement:
     """Refuse, before loading anything, a set of models that does not fit where it would run."""
     parent, *rest = roles
-    pl = plan(facts, need(fam, parent, n_ctx), None)
-    extra = sum(need(fam, r, n_ctx).total for r in rest)
-    ram = pl.ram_bytes + (extra if pl.mode != "gpu" else 0)
+    pl = plan(facts, need(fam, parent, n_ctx), need(fam, rest[0], n_ctx) if rest else None)
+    extra = sum(need(fam, r, n_ctx).total for r in rest[1:])  # further roles run on the CPU
+    ram = pl.ram_bytes + extra
     if ram > facts.ram_available * 0.9:
         raise ResourceError(f"models {', '.join(roles)} need ~{ram / 2**30:.2f} GiB of RAM, "
                             f"{facts.ram_available / 2**30:.2f} GiB available")

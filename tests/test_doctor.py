@@ -110,3 +110,15 @@ def test_doctor_human_form_goes_to_stderr(family_dir):
 def test_doctor_missing_family_is_one_line():
     r = run_cli(["doctor", "--family", "/nonexistent/fam"])
     assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "specquant pull" in r.stderr
+
+
+def test_require_fit_places_parent_and_draft_together(family):
+    from specquant_cli.errors import ResourceError
+    from specquant_cli.placement import require_fit
+
+    pl = require_fit(facts(free_vram=20 * GiB), family, ["f16", "q4"], 4096)
+    assert pl.mode == "gpu" and pl.gpu_layers == {"f16": -1, "q4": -1}
+    pl = require_fit(facts(), family, ["f16", "q4", "q8"], 4096)
+    assert pl.mode == "cpu" and pl.gpu_layers["f16"] == 0
+    with pytest.raises(ResourceError, match="GiB available"):
+        require_fit(facts(ram=GiB // 4), family, ["f16", "q4"], 4096)
