@@ -57,7 +57,7 @@ def read_prompt(prompt: Optional[str], allow_empty: bool = False) -> str:
     if prompt is not None and prompt != "-":
         parts.append(prompt)
     if prompt == "-" or not stdin_is_tty():
-        piped = read_stdin() if (prompt == "-" or not stdin_is_tty()) else ""
+        piped = read_stdin()
         if piped.strip():
             parts.append(piped)
     text = "\n\n".join(p.strip("\n") for p in parts)

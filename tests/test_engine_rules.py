@@ -225,3 +225,17 @@ def test_verify_cost_prior_scales_from_the_nearest_measured_size():
     assert g._verify_cost(5) == 0.2
     assert g._verify_cost(1) == pytest.approx(0.2 / 1.8)
     assert g._verify_cost(9) == pytest.approx(0.2 * 2.2 / 1.8)
+
+
+def test_common_prefix_matches_a_plain_scan():
+    import random
+    import types
+
+    from specquant_cli.llama import Context
+
+    rnd = random.Random(0)
+    for _ in range(2000):
+        cached = [rnd.randint(0, 3) for _ in range(rnd.randint(0, 12))]
+        new = cached[:rnd.randint(0, len(cached))] + [rnd.randint(0, 3) for _ in range(rnd.randint(0, 5))]
+        want = next((i for i, (a, b) in enumerate(zip(cached, new)) if a != b), min(len(cached), len(new)))
+        assert Context.common_prefix(types.SimpleNamespace(tokens=cached), new) == want

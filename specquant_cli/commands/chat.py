@@ -57,9 +57,8 @@ def chat(
         if is_interactive:
             _interactive(session, stats)
         else:
-            for text in prompts:
+            for text in prompts:  # single-turn each: _one does not add to the history
                 _one(session, text, json_out, stats)
-                session.reset()
     finally:
         runtime.close()
 
