@@ -19,12 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specquant_cli.drafters import ModelDrafter, NGramDrafter  # noqa: E402
-from specquant_cli.engine import Engine  # noqa: E402
-from specquant_cli.family import Family  # noqa: E402
-from specquant_cli.gamma import AdaptiveGamma, FixedGamma  # noqa: E402
-from specquant_cli.llama import Context, Model  # noqa: E402
-from specquant_cli.stream import generate_text  # noqa: E402
+from specquant_cli.backend.llama import Context, Model  # noqa: E402
+from specquant_cli.decoding.drafters import ModelDrafter, NGramDrafter  # noqa: E402
+from specquant_cli.decoding.engine import Engine  # noqa: E402
+from specquant_cli.decoding.gamma import AdaptiveGamma, FixedGamma  # noqa: E402
+from specquant_cli.decoding.stream import generate_text  # noqa: E402
+from specquant_cli.family.manifest import Family  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring and two examples.",

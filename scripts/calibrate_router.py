@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specquant_cli.family import Family  # noqa: E402
-from specquant_cli.router import Router, load_config  # noqa: E402
+from specquant_cli.family.manifest import Family  # noqa: E402
+from specquant_cli.routing.router import Router, load_config  # noqa: E402
 from specquant_cli.runtime import Runtime  # noqa: E402
 
 FACTUAL = ["What is the capital of France?", "Who wrote Hamlet?", "How many legs does a spider have?",

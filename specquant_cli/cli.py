@@ -46,7 +46,22 @@ def _say(line: str) -> None:
 
 
 app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="specquant: quantized families, complexity routing and lossless speculative decoding.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        sys.stdout.write(f"specquant {version('specquant')} (llama-cpp-python {version('llama-cpp-python')})\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(_: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit")) -> None:
+    """specquant: quantized families, complexity routing and lossless speculative decoding."""
 
 
 def _register() -> None:

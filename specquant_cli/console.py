@@ -9,6 +9,7 @@ import sys
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
+
 def _width():
     """Terminal width on a terminal; wide enough for the report tables when stderr goes to a file or pipe."""
     if os.environ.get("COLUMNS", "").isdigit():

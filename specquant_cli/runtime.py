@@ -5,36 +5,37 @@ from __future__ import annotations
 
 from typing import Optional
 
-from specquant_cli.drafters import FallbackDrafter, ModelDrafter, NGramDrafter
-from specquant_cli.engine import Engine
-from specquant_cli.family import Family
-from specquant_cli.gamma import AdaptiveGamma, FixedGamma
-from specquant_cli.llama import Context, Model, check_same_vocab
-from specquant_cli.policies import Plan
-from specquant_cli.sampling import SamplingParams
+from specquant_cli.backend.llama import Context, Model, check_same_vocab
+from specquant_cli.decoding.engine import DEFAULT_GAMMA, Engine
+from specquant_cli.decoding.gamma import AdaptiveGamma, FixedGamma
+from specquant_cli.decoding.protocols import Drafter
+from specquant_cli.decoding.registry import drafter_spec
+from specquant_cli.decoding.sampling import SamplingParams
+from specquant_cli.family.manifest import Family
+from specquant_cli.names import PARENT_ROLE
+from specquant_cli.routing.policies import Plan
 
-# Prompt tokens the adaptive policy's late-woken drafter reads. Only there: a window bounds the draft's
-# prefill but costs acceptance on long documents (Spec-Bench summarization: 93 % -> 18 % for spec-q4).
-DRAFT_WINDOW = 128
+ADAPTIVE_G_MAX = 8  # the adaptive controller's longest model draft
 
 
 class Runtime:
-    def __init__(self, family: Family, n_ctx: int = 4096, gamma: int = 4, threads: Optional[int] = None,
-                 p_min: Optional[float] = None, facts=None, draft_window: Optional[int] = DRAFT_WINDOW):
+    def __init__(self, family: Family, n_ctx: int = 4096, gamma: int = DEFAULT_GAMMA, threads: Optional[int] = None,
+                 p_min: Optional[float] = None, facts=None, kv_import: bool = True):
         self.family = family
         self.n_ctx = n_ctx
         self.gamma = gamma
         self.threads = threads
         self.p_min = p_min
-        self.draft_window = draft_window
+        self.kv_import = kv_import  # model drafters import the parent's KV cache instead of prefilling
         self._facts = facts
         self._ctx: dict[str, Context] = {}
         self._vocab: Optional[Model] = None
+        self._drafters: dict[str, Drafter] = {}  # persistent drafters, kept across requests
 
     @property
     def facts(self):
         if self._facts is None:
-            from specquant_cli.hardware import detect
+            from specquant_cli.system.hardware import detect
 
             self._facts = detect()
         return self._facts
@@ -44,10 +45,10 @@ class Runtime:
 
     def tokenizer(self) -> Model:
         """The parent's vocabulary (no weights unless the parent is already loaded)."""
-        if "f16" in self._ctx:
-            return self._ctx["f16"].model
+        if PARENT_ROLE in self._ctx:
+            return self._ctx[PARENT_ROLE].model
         if self._vocab is None:
-            self._vocab = Model(self.family.path("f16"), vocab_only=True)
+            self._vocab = Model(self.family.path(PARENT_ROLE), vocab_only=True)
         return self._vocab
 
     def count_tokens(self, text: str) -> int:
@@ -55,7 +56,7 @@ class Runtime:
 
     def ensure(self, roles: list[str]) -> None:
         """Load what `roles` need, refusing first (with numbers) a set that does not fit."""
-        from specquant_cli.placement import require_fit
+        from specquant_cli.system.placement import require_fit
 
         missing = [r for r in roles if r not in self._ctx]
         if not missing:
@@ -71,29 +72,44 @@ class Runtime:
         self.ensure([role])
         return self._ctx[role]
 
+    def drafter(self, name: str, target: str) -> Drafter:
+        """The named drafter, built from its registry spec; a persistent one is kept for the session."""
+        spec = drafter_spec(name)
+        key = f"{name}>{target}"
+        if spec.persistent and key in self._drafters:
+            return self._drafters[key]
+        self.ensure([target, *spec.roles])
+        d = spec.build(self, target)
+        if spec.persistent:
+            self._drafters[key] = d
+        return d
+
     def engine(self, plan: Plan, sp: SamplingParams) -> Engine:
+        """An engine for `plan`: loads the plan's roles (placement-checked), builds its drafter and γ policy.
+
+        Args:
+            plan: from `routing.policies.plan_for` (or a policy's own planner).
+            sp: sampling parameters; greedy when temperature is 0."""
         self.ensure(plan.roles)
-        target = self._ctx[plan.target]
-        drafter = None
-        if plan.draft == "ngram":
-            drafter = NGramDrafter()
-        elif plan.draft == "ngram+q4":
-            drafter = FallbackDrafter(NGramDrafter((4, 3)), self._model_drafter("q4", self.draft_window))
-        elif plan.draft:
-            drafter = self._model_drafter(plan.draft, None)
+        drafter = self.drafter(plan.draft, plan.target) if plan.draft else None
         if drafter is None:
             gamma = FixedGamma(0)
         elif plan.adaptive_gamma:
-            gamma = AdaptiveGamma(g_max=max(8, self.gamma), g_init=self.gamma)
+            gamma = AdaptiveGamma(g_max=max(ADAPTIVE_G_MAX, self.gamma), g_init=self.gamma)
         else:
             gamma = FixedGamma(self.gamma)
-        return Engine(target, drafter, gamma, sp)
+        return Engine(self._ctx[plan.target], drafter, gamma, sp)
 
-    def _model_drafter(self, role: str, window: Optional[int]) -> ModelDrafter:
-        return ModelDrafter(self._ctx[role], role, self.p_min, window=window)
+    def reset_caches(self) -> None:
+        """Empty every KV cache (the bench's fresh-request state). Persistent drafters keep their memory."""
+        for c in self._ctx.values():
+            c.reset()
 
     def close(self) -> None:
         for c in self._ctx.values():
-            c.close()
-            c.model.close()
+            c.model.close()  # frees its context first
         self._ctx.clear()
+        self._drafters.clear()
+        if self._vocab is not None:
+            self._vocab.close()
+            self._vocab = None

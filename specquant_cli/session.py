@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
-from specquant_cli.policies import Plan, check_policy, plan_for
-from specquant_cli.router import Route, Router
+from specquant_cli.decoding.sampling import SamplingParams
+from specquant_cli.decoding.stream import Response, stream_generate
+from specquant_cli.routing.policies import Plan, check_policy, plan_for
+from specquant_cli.routing.router import Route, Router
 from specquant_cli.runtime import Runtime
-from specquant_cli.sampling import SamplingParams
-from specquant_cli.stream import Response, stream_generate
 
 
 @dataclass
@@ -51,31 +52,61 @@ class ChatSession:
     def reset(self) -> None:
         self.history.clear()
 
-    def plan(self, text: str) -> tuple[Route, Plan]:
+    def plan(self, text: str, policy: Optional[str] = None) -> tuple[Route, Plan]:
         route = self.router.route(text)
-        return route, plan_for(self.policy, route.tier)
+        return route, plan_for(policy or self.policy, route.tier)
 
     def messages(self, text: str) -> list[dict]:
         sys_msg = [{"role": "system", "content": self.system}] if self.system else []
         return sys_msg + self.history + [{"role": "user", "content": text}]
 
     def ask(self, text: str, remember: bool = True) -> tuple[Answer, Iterator[Response]]:
-        """Route and plan now; the returned iterator generates (and fills `answer` as it goes)."""
+        """Route `text`, plan, and return the answer with its record stream.
+
+        Args:
+            text: the user's message; the conversation so far (system + history) comes before it.
+            remember: add the exchange to the history once the stream is consumed to its end.
+
+        Returns:
+            (answer, records): routing and planning happen now, generation only as `records` is consumed;
+            `answer.text` and `answer.last` fill in as it goes, complete once the iterator is exhausted."""
+        answer, records = self.ask_messages(self.messages(text), route_text=text)
+        if not remember:
+            return answer, records
+
+        def run() -> Iterator[Response]:
+            yield from records
+            self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.text}]
+
+        return answer, run()
+
+    def ask_messages(self, messages: list[dict], route_text: Optional[str] = None, policy: Optional[str] = None,
+                     sampling: Optional[SamplingParams] = None, max_tokens: Optional[int] = None,
+                     stop: Optional[Sequence[str]] = None, raw_prompt: Optional[str] = None
+                     ) -> tuple[Answer, Iterator[Response]]:
+        """Like `ask`, for a whole conversation given as messages (the server's entry point); the session's
+        history is not used or changed. The route scores `route_text` (default: the last user message).
+        `raw_prompt` is tokenized as it is instead of rendering the messages (plain completions)."""
+        if route_text is None:
+            route_text = raw_prompt if raw_prompt is not None else next(
+                (m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         t0 = time.perf_counter()
-        route, plan = self.plan(text)
-        answer = Answer(text, route, plan, route_s=time.perf_counter() - t0)
-        engine = self.runtime.engine(plan, self.sampling)
-        prompt = engine.parent.model.chat_prompt(self.messages(text))
+        route, plan = self.plan(route_text, policy)
+        answer = Answer(route_text, route, plan, route_s=time.perf_counter() - t0)
+        engine = self.runtime.engine(plan, sampling or self.sampling)
+        model = engine.parent.model
+        prompt = model.tokenize(raw_prompt, add_bos=model.add_bos()) if raw_prompt is not None \
+            else model.chat_prompt(messages)
+        limit = max_tokens or self.max_tokens
+        stops = self.stop if stop is None else stop
 
         def run() -> Iterator[Response]:
             parts = []
-            for rec in stream_generate(engine, prompt, self.max_tokens, self.stop):
+            for rec in stream_generate(engine, prompt, limit, stops):
                 parts.append(rec.text)
                 answer.last = rec
                 yield rec
             answer.text = "".join(parts)
-            if remember:
-                self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.text}]
             self.last = answer
 
         return answer, run()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ def _isolate(monkeypatch, tmp_path_factory):
 @pytest.fixture(scope="session")
 def family_dir() -> Path:
     """The real smollm2-135m family (scripts/test.sh fetches it; fetched here if missing)."""
-    from specquant_cli.fetch import pull
+    from specquant_cli.family.fetch import pull
 
     fam, _ = pull("smollm2-135m", REPO / "models")
     return fam.root
@@ -31,7 +30,7 @@ def family_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def family(family_dir):
-    from specquant_cli.family import Family
+    from specquant_cli.family.manifest import Family
 
     return Family.load(family_dir)
 
@@ -39,7 +38,7 @@ def family(family_dir):
 @pytest.fixture(scope="session")
 def models(family):
     """One loaded llama.cpp Model per role, shared by the whole session."""
-    from specquant_cli.llama import Model
+    from specquant_cli.backend.llama import Model
 
     return {role: Model(family.path(role)) for role in ("f16", "q8", "q4")}
 
@@ -50,3 +49,13 @@ def run_cli(args, input=None, env=None):
     from specquant_cli.cli import app
 
     return CliRunner().invoke(app, args, input=input, env=env, catch_exceptions=False)
+
+
+REAL_MODEL_FIXTURES = {"family_dir", "family", "models"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that use the real demo family are `slow` (so `-m "not slow"` is a seconds-long loop)."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

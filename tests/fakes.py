@@ -1,10 +1,17 @@
-"""Scripted-logits stand-ins for llama.cpp contexts: the only fakes, used for the accept/reject math."""
+"""Scripted-logits stand-ins for llama.cpp contexts: the only fakes, used for the accept/reject math.
+
+FakeContext implements the same `TokenContext` protocol as the real adapter and inherits its prefix logic
+(`backend.llama.PrefixCache`), so the tests exercise the real `sync` / `common_prefix`."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from specquant_cli.backend.llama import PrefixCache
+from specquant_cli.decoding.drafters import DrafterBase
+from specquant_cli.decoding.protocols import Draft
 
 
 class FakeModel:
@@ -16,7 +23,7 @@ class FakeModel:
         return f"<{token}>".encode()
 
 
-class FakeContext:
+class FakeContext(PrefixCache):
     """logits_fn(tokens so far) -> logits row. Tracks tokens exactly like the real adapter."""
 
     def __init__(self, model: FakeModel, logits_fn: Callable[[Sequence[int]], np.ndarray], n_ctx: int = 512):
@@ -27,11 +34,9 @@ class FakeContext:
         self._rows: list[np.ndarray] = []
         self.decode_calls = 0
 
-    @property
-    def n_past(self):
-        return len(self.tokens)
-
     def decode(self, tokens, logits="last"):
+        if not len(tokens):
+            return
         self.decode_calls += 1
         rows = []
         for t in tokens:
@@ -45,18 +50,6 @@ class FakeContext:
     def rewind(self, n):
         del self.tokens[n:]
 
-    def sync(self, tokens, logits="last"):
-        keep = 0
-        for a, b in zip(self.tokens, tokens):
-            if a != b:
-                break
-            keep += 1
-        if keep == len(tokens) and logits != "none":
-            keep = max(0, keep - 1)
-        self.rewind(keep)
-        self.decode(tokens[keep:], logits)
-        return len(tokens) - keep
-
 
 def peaked(token: int, n_vocab: int, height: float = 10.0) -> np.ndarray:
     row = np.zeros(n_vocab, dtype=np.float32)
@@ -64,18 +57,20 @@ def peaked(token: int, n_vocab: int, height: float = 10.0) -> np.ndarray:
     return row
 
 
-class ScriptedDrafter:
-    """Proposes fixed token lists, one per call (then nothing)."""
+class ScriptedDrafter(DrafterBase):
+    """Proposes fixed token lists, one per call (then nothing); records the feedback it hears."""
 
     name = "scripted"
 
     def __init__(self, proposals: list[list[int]]):
         self.proposals = list(proposals)
         self.calls = 0
+        self.outcomes = []
 
     def propose(self, seq, n, sp=None, rng=None):
-        from specquant_cli.drafters import Draft
-
         self.calls += 1
         toks = self.proposals.pop(0) if self.proposals else []
         return Draft(list(toks[:n]))
+
+    def feedback(self, seq, outcome):
+        self.outcomes.append(outcome)

@@ -23,10 +23,16 @@ def test_stdin_only_equals_argument_only(family_dir):
     assert a.exit_code == b.exit_code == 0 and a.stdout == b.stdout
 
 
-def test_argument_and_stdin_are_joined(family_dir):
-    r = chat(["Summarize this text:", "--family", str(family_dir), "--json"], input="The cat sat on the mat.\n")
+def test_argument_and_dash_are_joined(family_dir):
+    r = chat(["Summarize this text:", "-", "--family", str(family_dir), "--json"], input="The cat sat on the mat.\n")
     d = json.loads(r.stdout)
     assert d["prompt"] == "Summarize this text:\n\nThe cat sat on the mat."
+
+
+def test_a_prompt_argument_never_reads_stdin(family_dir):
+    """The stdin rule: with PROMPT given (and no '-'), stdin is left alone, so a `while read` loop works."""
+    r = chat(["Say hi.", "--family", str(family_dir), "--json"], input="this must stay unread\n")
+    assert json.loads(r.stdout)["prompt"] == "Say hi."
 
 
 def test_dash_reads_stdin(family_dir):
@@ -101,8 +107,8 @@ def test_interactive_commands(family_dir):
 
 
 def test_interactive_keeps_history(family_dir):
-    from specquant_cli.family import Family
-    from specquant_cli.router import Router
+    from specquant_cli.family.manifest import Family
+    from specquant_cli.routing.router import Router
     from specquant_cli.runtime import Runtime
     from specquant_cli.session import ChatSession
 

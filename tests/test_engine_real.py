@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 
-from specquant_cli.drafters import ModelDrafter, NGramDrafter
-from specquant_cli.engine import Engine
+from specquant_cli.backend.llama import Context, Detokenizer, check_same_vocab
+from specquant_cli.decoding.drafters import ModelDrafter, NGramDrafter
+from specquant_cli.decoding.engine import Engine
+from specquant_cli.decoding.gamma import AdaptiveGamma, FixedGamma
+from specquant_cli.decoding.sampling import SamplingParams
+from specquant_cli.decoding.stream import generate_text
 from specquant_cli.errors import InputError, VocabMismatchError
-from specquant_cli.gamma import AdaptiveGamma, FixedGamma
-from specquant_cli.llama import Context, Detokenizer, check_same_vocab
-from specquant_cli.sampling import SamplingParams
-from specquant_cli.stream import generate_text
 
 PROMPTS = [
     "What is the capital of France?",

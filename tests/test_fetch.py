@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from specquant_cli.errors import ModelFileError
-from specquant_cli.fetch import FAMILIES, assemble, order_parts
+from specquant_cli.family.fetch import FAMILIES, assemble, order_parts
 
 
 def tiny_gguf(path):
@@ -81,7 +81,7 @@ def test_family_specs_keep_q4_off_the_origin_type():
 
 
 def test_present_family_is_verified_not_refetched(family_dir, monkeypatch):
-    from specquant_cli import fetch
+    from specquant_cli.family import fetch
 
     monkeypatch.setattr(fetch, "pip_download", lambda *a, **k: pytest.fail("fetched again"))
     fam, built = fetch.pull("smollm2-135m", family_dir.parent)

@@ -1,6 +1,4 @@
 import json
-import math
-import shutil
 
 import numpy as np
 import pytest
@@ -47,7 +45,7 @@ def test_manifest_fields(quantized, family):
 
 
 def test_each_variant_loads_and_gives_finite_logits(quantized):
-    from specquant_cli.llama import Context, Model
+    from specquant_cli.backend.llama import Context, Model
 
     out, manifest = quantized
     for v in manifest["variants"].values():
@@ -111,7 +109,7 @@ def test_requantize_allowed_with_flag(tmp_path, family):
 def test_disk_check_refuses_before_writing(tmp_path, family, monkeypatch):
     import collections
 
-    from specquant_cli import quantize as q
+    from specquant_cli.family import quantize as q
 
     fake = collections.namedtuple("usage", "total used free")(10 << 30, 10 << 30, 1 << 20)
     monkeypatch.setattr(q.shutil, "disk_usage", lambda p: fake)

@@ -1,9 +1,10 @@
 import pytest
 
-from conftest import run_cli
 from specquant_cli.errors import InputError
-from specquant_cli.policies import plan_for
-from specquant_cli.router import Router, RouterConfig, features, load_config
+from specquant_cli.routing.policies import plan_for
+from specquant_cli.routing.router import Router, RouterConfig, features, load_config
+
+from conftest import run_cli
 
 SHORT = "What is the capital of France?"
 LONG = ("Although the Federal Reserve raised rates in March, Goldman Sachs and JPMorgan argued that inflation, "
@@ -94,11 +95,12 @@ def test_route_command_json(family_dir):
 
 def test_route_command_human_form_is_on_stderr(family_dir):
     r = run_cli(["route", SHORT, "--family", str(family_dir)])
-    assert r.exit_code == 0 and r.stdout == "" and "low" in r.stderr and "q4 drafts, f16 verifies" in r.stderr
+    assert r.exit_code == 0 and r.stdout == "" and "route: low (score" in r.stderr
+    assert "q4 drafts, f16 verifies" in r.stderr
 
 
 def test_missing_pipeline_is_one_line(monkeypatch):
-    import specquant_cli.router as router
+    import specquant_cli.routing.router as router
 
     monkeypatch.setattr(router, "_NLP", None)
     monkeypatch.setattr(router, "PIPELINES", ("no_such_pipeline_xyz",))

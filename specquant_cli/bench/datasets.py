@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional
 
 from specquant_cli.errors import InputError
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from specquant_cli.errors import InputError
 from specquant_cli.fsutil import atomic_path, write_json_atomic
@@ -22,12 +23,15 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
     for r in records:
         by[r.policy].append(r)
     base = _mean(r.tokens_per_s for r in by.get("parent", []))
+    base_dec = _mean(r.decode_tokens_per_s for r in by.get("parent", []))
     out = []
     for p in policies:
         rs = by.get(p, [])
         if not rs:
             continue
         tps = _mean(r.tokens_per_s for r in rs)
+        dec = _mean(r.decode_tokens_per_s for r in rs)
+        imports = [r.kv_import for r in rs if r.kv_import is not None]
         drafted, accepted = sum(r.drafted for r in rs), sum(r.accepted for r in rs)
         new, calls = sum(r.new_tokens for r in rs), sum(r.parent_calls for r in rs)
         busy = sum(r.prefill_s + r.draft_s + r.verify_s for r in rs) or 1.0
@@ -36,6 +40,8 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
         out.append({
             "policy": p, "prompts": len(rs), "lossy": any(r.lossy for r in rs),
             "tokens_per_s": round(tps, 3), "speedup": round(tps / base, 4) if base else None,
+            "decode_tokens_per_s": round(dec, 3), "decode_speedup": round(dec / base_dec, 4) if base_dec else None,
+            "kv_import_rate": round(sum(imports) / len(imports), 4) if imports else None,
             "identical_rate": round(sum(ident) / len(ident), 4) if ident else None,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
             "mean_accepted_length": round(new / calls, 3) if calls else None,
@@ -43,6 +49,8 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
             "accuracy": round(sum(correct) / len(correct), 4) if correct else None,
             "accuracy_n": len(correct),
             "peak_rss_mb": max(r.rss_mb for r in rs),
+            "parent_prefill_share": round(sum(r.parent_prefill_s for r in rs)
+                                          / max(1e-9, sum(r.total_s for r in rs)), 3),
             "time_split": {"prefill": round(sum(r.prefill_s for r in rs) / busy, 3),
                            "draft": round(sum(r.draft_s for r in rs) / busy, 3),
                            "verify": round(sum(r.verify_s for r in rs) / busy, 3)},
@@ -68,7 +76,8 @@ def _fmt(v, pct=False, x=False) -> str:
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
-COLUMNS = ("policy", "tok/s", "speedup", "identical", "acceptance", "accepted/call", "low/med/high", "accuracy",
+COLUMNS = ("policy", "tok/s", "speedup", "decode speedup", "identical", "acceptance", "accepted/call", "low/med/high",
+           "accuracy",
            "draft/verify/prefill", "peak RSS")
 
 
@@ -77,7 +86,8 @@ def rows(summary: list[dict]) -> list[list[str]]:
     for s in summary:
         t, sp = s["tiers"], s["time_split"]
         out.append([s["policy"] + (" (lossy)" if s["lossy"] else ""), _fmt(s["tokens_per_s"]),
-                    _fmt(s["speedup"], x=True), _fmt(s["identical_rate"], pct=True),
+                    _fmt(s["speedup"], x=True), _fmt(s.get("decode_speedup"), x=True),
+                    _fmt(s["identical_rate"], pct=True),
                     _fmt(s["acceptance_rate"], pct=True), _fmt(s["mean_accepted_length"]),
                     f"{t['low']:.0%}/{t['medium']:.0%}/{t['high']:.0%}",
                     f"{_fmt(s['accuracy'], pct=True)} (n={s['accuracy_n']})" if s["accuracy_n"] else "–",

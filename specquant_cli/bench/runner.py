@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 from specquant_cli.bench.datasets import Item, extract_answer
-from specquant_cli.router import Router
+from specquant_cli.decoding.sampling import SamplingParams
+from specquant_cli.routing.router import Router
 from specquant_cli.runtime import Runtime
-from specquant_cli.sampling import SamplingParams
 from specquant_cli.session import ChatSession
 
 
@@ -24,9 +25,14 @@ class Record:
     new_tokens: int
     prompt_tokens: int
     total_s: float
-    tokens_per_s: float  # new tokens / wall time (prefill included; routing too for 'paper'), mean over repeats
+    tokens_per_s: float  # new tokens / wall time (prefill included; routing too for routed policies), mean
+    decode_tokens_per_s: float  # new tokens / the time after the parent's own prefill, mean over repeats
     route_s: float
     prefill_s: float
+    parent_prefill_s: float
+    draft_prefill_s: float
+    kv_import_s: float
+    kv_import: Optional[bool]
     draft_s: float
     verify_s: float
     drafted: int
@@ -50,8 +56,8 @@ def _rss_mb() -> float:
 
 def warm_up(runtime: Runtime, roles: Sequence[str], runs: int) -> None:
     """A few short generations per model before anything is timed."""
-    from specquant_cli.engine import Engine
-    from specquant_cli.stream import generate_text
+    from specquant_cli.decoding.engine import Engine
+    from specquant_cli.decoding.stream import generate_text
 
     for role in roles:
         ctx = runtime.context(role)
@@ -63,7 +69,7 @@ def warm_up(runtime: Runtime, roles: Sequence[str], runs: int) -> None:
 def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Sequence[str], max_tokens: int,
         sp: SamplingParams, repeats: int = 1, warmup: int = 1,
         progress: Optional[Callable[[Record], None]] = None) -> list[Record]:
-    from specquant_cli.policies import plan_for
+    from specquant_cli.routing.policies import plan_for
 
     roles = sorted({r for p in policies for t in ("low", "medium", "high") for r in plan_for(p, t).roles})
     runtime.ensure(roles)
@@ -75,8 +81,7 @@ def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Seque
             session = ChatSession(runtime, router, policy, sp, max_tokens)
             runs = []
             for _ in range(max(1, repeats)):
-                for role in runtime.loaded():
-                    runtime.context(role).reset()  # each run pays its own prefill, like a fresh request
+                runtime.reset_caches()  # each run pays its own prefill, like a fresh request
                 answer, recs = session.ask(item.prompt, remember=False)
                 tokens = [r.token for r in recs if r.token is not None]
                 runs.append((answer, tokens))
@@ -90,8 +95,10 @@ def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Seque
 
 
 def _tps(policy: str, answer) -> float:
-    """Only 'paper' needs the route to pick its plan, so only its wall time includes the scoring."""
-    wall = answer.last.total_s + (answer.route_s if policy == "paper" else 0.0)
+    """Only routed policies need the route to pick their plan, so only their wall time includes the scoring."""
+    from specquant_cli.routing.policies import POLICIES
+
+    wall = answer.last.total_s + (answer.route_s if POLICIES[policy].routed else 0.0)
     return answer.last.new_tokens / wall if wall > 0 else 0.0
 
 
@@ -106,7 +113,10 @@ def _record(item: Item, policy: str, answer, tokens, runs, parent_tokens, sp) ->
     return Record(
         item=item.id, category=item.category, policy=policy, tier=answer.route.tier, plan=answer.plan.describe(),
         lossy=answer.plan.lossy, new_tokens=s.new_tokens, prompt_tokens=s.prompt_tokens, total_s=s.total_s,
-        tokens_per_s=statistics.mean(_tps(policy, a) for a, _ in runs), route_s=answer.route_s, prefill_s=s.prefill_s,
+        tokens_per_s=statistics.mean(_tps(policy, a) for a, _ in runs),
+        decode_tokens_per_s=statistics.mean(a.last.decode_tokens_per_s for a, _ in runs), route_s=answer.route_s,
+        prefill_s=s.prefill_s, parent_prefill_s=s.parent_prefill_s, draft_prefill_s=s.draft_prefill_s,
+        kv_import_s=s.kv_import_s, kv_import=s.kv_import,
         draft_s=s.draft_s, verify_s=s.verify_s, drafted=s.drafted, accepted=s.accepted, parent_calls=s.parent_calls,
         finish_reason=s.finish_reason, identical=identical, correct=correct, rss_mb=round(_rss_mb(), 1),
         text=answer.text)

@@ -8,10 +8,9 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.console import err
-from specquant_cli.options import ConfigOpt, FamilyOpt, load_family
-
-DEFAULT_POLICIES = "parent,spec-q4,spec-q8,paper,ngram,quasar,adaptive,q4,q8"
+from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, JsonOpt, load_family
+from specquant_cli.console import err, out_json
+from specquant_cli.routing.policies import bench_policies
 
 
 def register(app: typer.Typer) -> None:
@@ -25,28 +24,29 @@ def bench(
                                                              "default: the built-in prompt set"),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories"),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most N prompts per category"),
-    policies: str = typer.Option(DEFAULT_POLICIES, "--policies", help="Comma-separated policies"),
+    policies: str = typer.Option(",".join(bench_policies()), "--policies", help="Comma-separated policies"),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (identical_rate needs it)"),
     seed: int = typer.Option(0, "--seed"),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Timed runs per prompt and policy"),
     warmup: int = typer.Option(1, "--warmup", min=0, help="Warm-up generations per model before timing"),
     gamma: int = typer.Option(4, "--gamma", min=1, max=16),
-    n_ctx: int = typer.Option(4096, "--ctx", min=256),
+    n_ctx: int = CtxOpt,
     config: Optional[Path] = ConfigOpt,
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full report (records + summary)"),
+    json_out: bool = JsonOpt,
+    json_file: Optional[Path] = typer.Option(None, "--json-file", help="Write the full report (records + summary)"),
     md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown report"),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="PNG of speedup vs identical rate"),
 ) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specquant_cli.bench import datasets, report, runner
-    from specquant_cli.fetch import INFLATION_NOTE
-    from specquant_cli.hardware import detect
-    from specquant_cli.policies import check_policy
-    from specquant_cli.router import Router, load_config
+    from specquant_cli.decoding.sampling import SamplingParams
+    from specquant_cli.family.fetch import INFLATION_NOTE
+    from specquant_cli.routing.policies import check_policy
+    from specquant_cli.routing.router import Router, load_config
     from specquant_cli.runtime import Runtime
-    from specquant_cli.sampling import SamplingParams
+    from specquant_cli.system.hardware import detect
 
     names = [check_policy(p.strip()) for p in policies.split(",") if p.strip()]
     names = ["parent"] + [p for p in dict.fromkeys(names) if p != "parent"]  # the baseline runs first
@@ -95,4 +95,6 @@ def bench(
     }
     err.print(report.rich_table(summary, f"{fam.name}: {len(items)} prompts, {max_tokens} new tokens"))
     err.print(f"provenance: {fam.provenance}\ncaveat: {INFLATION_NOTE}", markup=False)
-    report.write_outputs(rep, json_out, md_out, plot_out)
+    report.write_outputs(rep, json_file, md_out, plot_out)
+    if json_out:
+        out_json(rep)

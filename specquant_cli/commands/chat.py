@@ -1,18 +1,19 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, JsonOpt, PolicyOpt, load_family
 from specquant_cli.console import err, out, out_json
-from specquant_cli.options import ConfigOpt, FamilyOpt, PolicyOpt, load_family, read_prompt, stdin_is_tty
+from specquant_cli.inputs import read_prompt, stdin_is_tty
 
 HELP = """Chat with a family: routed, speculative, lossless unless the policy says otherwise.
 
-Interactive when stdin is a terminal and no PROMPT is given (or with -i); otherwise the whole stdin is the
-prompt (after PROMPT when both are given), or with --each-line every non-empty line is its own prompt."""
+Interactive when stdin is a terminal and no PROMPT is given (or with -i). Otherwise stdin is read only when
+no PROMPT is given or a PROMPT is '-' (chat "Summarize:" - < file joins them); with --each-line every
+non-empty line (split on \\n only) is its own prompt."""
 
 COMMANDS_HELP = "/stats  /route [TEXT]  /policy NAME  /reset  /exit   (Ctrl-C stops an answer, Ctrl-D quits)"
 
@@ -22,7 +23,7 @@ def register(app: typer.Typer) -> None:
 
 
 def chat(
-    prompt: Optional[str] = typer.Argument(None, help="Prompt text; '-' reads stdin"),
+    prompt: Optional[list[str]] = typer.Argument(None, help="Prompt text; '-' stands for stdin", show_default=False),
     family: Optional[Path] = FamilyOpt,
     policy: str = PolicyOpt,
     max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="New tokens per answer"),
@@ -33,21 +34,21 @@ def chat(
     system: Optional[str] = typer.Option(None, "--system", help="System message"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
     gamma: int = typer.Option(4, "--gamma", min=1, max=16, help="Draft length (initial, for adaptive)"),
-    n_ctx: int = typer.Option(4096, "--ctx", min=256, help="Context size"),
+    n_ctx: int = CtxOpt,
     config: Optional[Path] = ConfigOpt,
-    json_out: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout"),
+    json_out: bool = JsonOpt,
     each_line: bool = typer.Option(False, "--each-line", help="Each non-empty input line is its own prompt"),
     stats: bool = typer.Option(False, "--stats", help="Print generation stats to stderr"),
     interactive: bool = typer.Option(False, "--interactive", "-i", help="Interactive even when stdin is piped"),
 ) -> None:
-    from specquant_cli.policies import check_policy
-    from specquant_cli.router import Router, load_config
+    from specquant_cli.decoding.sampling import SamplingParams
+    from specquant_cli.routing.policies import check_policy
+    from specquant_cli.routing.router import Router, load_config
     from specquant_cli.runtime import Runtime
-    from specquant_cli.sampling import SamplingParams
     from specquant_cli.session import ChatSession
 
     check_policy(policy)
-    is_interactive = interactive or (prompt is None and stdin_is_tty())
+    is_interactive = interactive or (not prompt and stdin_is_tty())
     prompts = [] if is_interactive else _prompts(prompt, each_line)
     fam = load_family(family)
     runtime = Runtime(fam, n_ctx=n_ctx, gamma=gamma)
@@ -63,11 +64,11 @@ def chat(
         runtime.close()
 
 
-def _prompts(prompt: Optional[str], each_line: bool) -> list[str]:
+def _prompts(prompt: Optional[list[str]], each_line: bool) -> list[str]:
     text = read_prompt(prompt)
     if not each_line:
         return [text]
-    return [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return [ln.strip() for ln in text.split("\n") if ln.strip()]  # \n only: not U+2028, form feed, ...
 
 
 def _stats_line(answer) -> str:

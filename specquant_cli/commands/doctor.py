@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.table import Table
 
+from specquant_cli.commands.options import FAMILY_ENV, FamilyOpt, JsonOpt, load_family
 from specquant_cli.console import err, gib, out_json
 
 
@@ -14,21 +16,19 @@ def register(app: typer.Typer) -> None:
 
 
 def doctor(
-    family: Optional[Path] = typer.Option(None, "--family", help="Family folder to plan placement for"),
-    n_ctx: int = typer.Option(4096, "--ctx", help="Context size the plan reserves KV cache for"),
-    json_out: bool = typer.Option(False, "--json", help="One JSON object on stdout"),
+    family: Optional[Path] = FamilyOpt,
+    n_ctx: int = typer.Option(4096, "--ctx", min=256, help="Context size the plan reserves KV cache for"),
+    json_out: bool = JsonOpt,
 ) -> None:
-    from specquant_cli import hardware
-    from specquant_cli.placement import family_plans
+    from specquant_cli.system import hardware
+    from specquant_cli.system.placement import family_plans
 
     facts = hardware.detect()
     report = {"hardware": facts.to_dict(), "advice": hardware.advice(facts)}
-    if family is not None:
-        from specquant_cli.family import Family
-
-        fam = Family.load(family)
+    if family is not None or os.environ.get(FAMILY_ENV):
+        fam = load_family(family)
         report["family"] = {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance}
-        report["plans"] = family_plans(facts, fam, n_ctx)
+        report["placements"] = family_plans(facts, fam, n_ctx)
     if json_out:
         out_json(report)
         return
@@ -51,11 +51,11 @@ def _render(report: dict) -> None:
     err.print(t)
     if report.get("advice"):
         err.print(f"[yellow]advice:[/] {report['advice']}")
-    if "plans" in report:
+    if "placements" in report:
         p = Table(title=f"placement for {report['family']['name']}")
-        for col in ("plan", "mode", "n_gpu_layers", "RAM", "VRAM", "fits RAM", "why"):
+        for col in ("models", "mode", "n_gpu_layers", "RAM", "VRAM", "fits RAM", "why"):
             p.add_column(col)
-        for name, pl in report["plans"].items():
+        for name, pl in report["placements"].items():
             p.add_row(name, pl["mode"], ", ".join(f"{k}={v}" for k, v in pl["gpu_layers"].items()),
                       gib(pl["ram_bytes"]), gib(pl["vram_bytes"]), "yes" if pl["fits_ram"] else "[red]no[/]",
                       pl["reason"])

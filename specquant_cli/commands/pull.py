@@ -6,6 +6,7 @@ from pathlib import Path
 import typer
 
 from specquant_cli.console import byte_progress, err, gib
+from specquant_cli.family.fetch import FAMILIES
 
 
 def register(app: typer.Typer) -> None:
@@ -13,12 +14,12 @@ def register(app: typer.Typer) -> None:
 
 
 def pull(
-    name: str = typer.Argument(..., help="smollm2-135m or qwen2.5-coder-1.5b"),
+    name: str = typer.Argument(..., help="One of: " + ", ".join(FAMILIES)),
     models_dir: Path = typer.Option(Path("models"), "--models-dir", help="Where families live"),
     force: bool = typer.Option(False, "--force", help="Rebuild even when a verified family is present"),
     threads: int = typer.Option(0, "--threads", help="Quantizer threads (0 = all cores)"),
 ) -> None:
-    from specquant_cli import fetch
+    from specquant_cli.family import fetch
 
     fetch.spec_for(name)
     t0 = time.perf_counter()

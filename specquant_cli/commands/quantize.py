@@ -6,7 +6,9 @@ from typing import Optional
 
 import typer
 
+from specquant_cli.commands.options import JsonOpt
 from specquant_cli.console import byte_progress, err, gib, out_json
+from specquant_cli.family.quantize import DEFAULT_TYPES
 
 
 def register(app: typer.Typer) -> None:
@@ -17,14 +19,14 @@ def register(app: typer.Typer) -> None:
 def quantize(
     base: Path = typer.Argument(..., help="Base model: GGUF with F16/BF16/F32 weights"),
     out: Optional[Path] = typer.Option(None, "--out", help="Family folder (default: models/<base name>)"),
-    types: str = typer.Option(",".join(("q4_k_m", "q8_0", "f16")), "--types", help="Comma-separated types"),
+    types: str = typer.Option(",".join(DEFAULT_TYPES), "--types", help="Comma-separated types"),
     threads: int = typer.Option(0, "--threads", help="Quantizer threads (0 = all cores)"),
     force: bool = typer.Option(False, "--force", help="Rewrite variants that already exist"),
     allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Accept an already-quantized base"),
-    json_out: bool = typer.Option(False, "--json", help="Print the manifest as JSON on stdout"),
+    json_out: bool = JsonOpt,
 ) -> None:
-    from specquant_cli.ggufio import read_info
-    from specquant_cli.quantize import parse_types, quantize_family
+    from specquant_cli.family.ggufio import read_info
+    from specquant_cli.family.quantize import parse_types, quantize_family
 
     qtypes = parse_types(types)
     info = read_info(base)

@@ -6,8 +6,9 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from specquant_cli.commands.options import ConfigOpt, FamilyOpt, JsonOpt, PolicyOpt, load_family
 from specquant_cli.console import err, out_json
-from specquant_cli.options import ConfigOpt, FamilyOpt, PolicyOpt, load_family, read_prompt
+from specquant_cli.inputs import read_prompt
 
 
 def register(app: typer.Typer) -> None:
@@ -15,14 +16,15 @@ def register(app: typer.Typer) -> None:
 
 
 def route(
-    prompt: Optional[str] = typer.Argument(None, help="The prompt ('-' or piped stdin also work)"),
+    prompt: Optional[list[str]] = typer.Argument(None, help="The prompt; '-' (or no PROMPT) reads stdin",
+                                                 show_default=False),
     family: Optional[Path] = FamilyOpt,
     policy: str = PolicyOpt,
     config: Optional[Path] = ConfigOpt,
-    json_out: bool = typer.Option(False, "--json", help="One JSON object on stdout"),
+    json_out: bool = JsonOpt,
 ) -> None:
-    from specquant_cli.policies import check_policy, plan_for
-    from specquant_cli.router import Router, load_config
+    from specquant_cli.routing.policies import check_policy, plan_for
+    from specquant_cli.routing.router import Router, load_config
     from specquant_cli.runtime import Runtime
 
     check_policy(policy)

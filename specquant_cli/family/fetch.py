@@ -10,14 +10,15 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from specquant_cli.errors import FamilyError, InputError, ModelFileError
-from specquant_cli.family import Family
+from specquant_cli.family.ggufio import dequantize_to_f16, read_info
+from specquant_cli.family.manifest import Family
 from specquant_cli.fsutil import atomic_path, sha256_file
-from specquant_cli.ggufio import dequantize_to_f16, read_info
 
 INFLATION_NOTE = (
     "The F16 base was dequantized from a quantized origin, so it is no true F16 model: drafts quantized "
@@ -155,7 +156,8 @@ def build_base(spec: FamilySpec, origin: Path, dst: Path, source: str,
                progress: Optional[Progress] = None) -> str:
     info = read_info(origin)
     if info.file_type != spec.origin_type:
-        raise ModelFileError(f"{origin}: expected a {spec.origin_type} origin, found {info.file_type or info.weight_type}")
+        found = info.file_type or info.weight_type
+        raise ModelFileError(f"{origin}: expected a {spec.origin_type} origin, found {found}")
     provenance = (f"F16 dequantized with gguf (numpy) from {spec.origin_type}, {source} "
                   f"(origin sha256 {sha256_file(origin)[:16]}…)")
     with atomic_path(dst) as tmp:
@@ -167,7 +169,7 @@ def build_base(spec: FamilySpec, origin: Path, dst: Path, source: str,
 def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
          progress: Optional[Progress] = None) -> tuple[Family, bool]:
     """Fetch, build the F16 base and quantize the family's roles. Returns (family, built_now)."""
-    from specquant_cli.quantize import parse_types, quantize_family
+    from specquant_cli.family.quantize import parse_types, quantize_family
 
     spec = spec_for(name)
     root = Path(models_dir) / name

@@ -47,7 +47,7 @@ class Family:
     manifest: dict
 
     @classmethod
-    def load(cls, root: Path | str) -> "Family":
+    def load(cls, root: Path | str) -> Family:
         root = Path(root)
         mpath = root / MANIFEST
         if not mpath.is_file():

@@ -6,10 +6,17 @@ normalize(max(0, p - q)); after a full accept the bonus token comes from p."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
+
+# Temperatures are floored here so that T -> 0 with sampling on stays finite (it approaches argmax).
+MIN_TEMPERATURE = 1e-6
+# top-p first looks for its nucleus among this many highest logits (argpartition, no full sort); only
+# when their mass stays below top_p does it sort the whole vocabulary.
+TOP_P_CANDIDATES = 2048
 
 
 @dataclass(frozen=True)
@@ -36,15 +43,18 @@ def greedy_token(logits: np.ndarray) -> int:
 
 def probs(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
     """Full-vocabulary distribution after temperature, top-k and top-p (float64, sums to 1)."""
-    x = np.asarray(logits, dtype=np.float64) / max(sp.temperature, 1e-6)
+    x = np.asarray(logits, dtype=np.float64) / max(sp.temperature, MIN_TEMPERATURE)
     n = x.shape[0]
     keep: Optional[np.ndarray] = None
     if 0 < sp.top_k < n:
         keep = np.argpartition(x, n - sp.top_k)[n - sp.top_k:]
     if sp.top_p < 1.0:
-        cand = keep if keep is not None else np.argpartition(x, n - min(n, 2048))[n - min(n, 2048):]
+        m = min(n, TOP_P_CANDIDATES)
+        cand = keep if keep is not None else np.argpartition(x, n - m)[n - m:]
         cand = cand[np.argsort(-x[cand], kind="stable")]
         e = np.exp(x[cand] - x[cand[0]])
+        # Why two normalisers: after top-k the nucleus is taken within the top-k distribution (the k
+        # kept tokens sum to 1, as llama.cpp's and mlx's chains do); without top-k, over the full vocabulary.
         full = e.sum() if keep is not None else np.exp(x - x[cand[0]]).sum()
         cum = np.cumsum(e) / full
         if keep is None and cum[-1] < sp.top_p:  # rare: mass spread beyond 2048 candidates
@@ -89,6 +99,8 @@ def speculative_verify(p_rows, q_rows: Sequence[np.ndarray], draft: Sequence[int
             continue
         residual = np.maximum(p - q, 0.0)
         total = residual.sum()
+        # Why fall back to p: the residual is all zero only when p == q (up to rounding), and then a
+        # rejection has probability ~0 anyway; sampling p keeps the output distribution p.
         return j, sample(residual / total if total > 0 else p, rng)
     return len(draft), sample(p_rows(len(draft)), rng)
 

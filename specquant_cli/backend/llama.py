@@ -11,12 +11,18 @@ import contextlib
 import ctypes
 import os
 import threading
+import weakref
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
 from specquant_cli.errors import InputError, LlamaError, VocabMismatchError
+from specquant_cli.names import LogitsMode
+
+PIECE_BUF_BYTES = 256  # one token's text; longer pieces get a buffer of their own
+META_BUF_BYTES = 1 << 16  # a metadata value (chat templates run to a few KiB)
 
 _backend_ready = False
 _log_lock = threading.Lock()
@@ -93,13 +99,14 @@ class Model:
         self._ptr = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
         if not self._ptr:
             raise LlamaError(f"llama.cpp could not load {self.path}")
+        # Frees what depends on the model (its contexts) before the model itself, as _internals does.
+        self._stack = contextlib.ExitStack()
         self.vocab = llama_cpp.llama_model_get_vocab(self._ptr)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._ptr)
-        self.n_gpu_layers = n_gpu_layers
         is_eog = llama_cpp.llama_vocab_is_eog
         self._eog_ids = frozenset(t for t in range(self.n_vocab) if is_eog(self.vocab, t))
-        self._piece_buf = ctypes.create_string_buffer(256)
+        self._piece_buf = ctypes.create_string_buffer(PIECE_BUF_BYTES)
 
     # -- vocabulary ---------------------------------------------------------------------------
     @property
@@ -148,20 +155,17 @@ class Model:
     def piece(self, token: int, special: bool = False) -> bytes:
         import llama_cpp
 
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece_buf, PIECE_BUF_BYTES, 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
             return buf.raw[:n]
         return self._piece_buf.raw[:n]
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
-
     def meta(self, key: str) -> Optional[str]:
         import llama_cpp
 
-        buf = ctypes.create_string_buffer(1 << 16)
+        buf = ctypes.create_string_buffer(META_BUF_BYTES)
         n = llama_cpp.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
         if n < 0:
             return None
@@ -193,118 +197,51 @@ class Model:
         return self._fmt
 
     def close(self) -> None:
+        """Free the model's contexts, then the model. Idempotent."""
         import llama_cpp
 
         if getattr(self, "_ptr", None):
+            self._stack.close()
             llama_cpp.llama_model_free(self._ptr)
             self._ptr = None
 
-    def __del__(self):
-        with contextlib.suppress(Exception):
-            self.close()
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-class Context:
-    """One llama.cpp context (KV cache) over a Model, with a reusable batch.
+def common_prefix(cached: Sequence[int], tokens: Sequence[int]) -> int:
+    """Length of the longest common prefix. Runs once per draft cycle, so it bisects with list-slice
+    comparisons (done in C) instead of walking the whole context in Python."""
+    cached, tokens = list(cached), list(tokens)
+    lo, hi = 0, min(len(cached), len(tokens))
+    if cached[:hi] == tokens[:hi]:
+        return hi
+    while lo < hi:  # invariant: prefix of length lo matches, of length hi+1 does not
+        mid = (lo + hi + 1) // 2
+        if cached[:mid] == tokens[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
-    `tokens` always equals what the KV cache holds, position by position."""
 
-    def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 512, n_threads: Optional[int] = None):
-        import llama_cpp
+class PrefixCache:
+    """Prefix reuse over a token list that mirrors a KV cache. Subclasses provide `tokens`, `decode` and
+    `rewind`; the scripted test context inherits this too, so tests run the real prefix logic."""
 
-        self.model = model
-        threads = n_threads or max(1, os.cpu_count() or 1)
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_ctx
-        params.n_batch = n_batch
-        params.n_ubatch = n_batch
-        params.n_seq_max = 1
-        params.n_threads = threads
-        params.n_threads_batch = threads
-        params.no_perf = True
-        self._ptr = llama_cpp.llama_init_from_model(model._ptr, params)
-        if not self._ptr:
-            raise LlamaError(f"llama.cpp could not create a context of {n_ctx} for {model.path.name}")
-        self.n_ctx = llama_cpp.llama_n_ctx(self._ptr)
-        self.n_batch = n_batch
-        self._mem = llama_cpp.llama_get_memory(self._ptr)
-        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
-        self.tokens: list[int] = []
-        self._n_vocab = model.n_vocab
-        self._float_p = ctypes.POINTER(ctypes.c_float)
+    tokens: list[int]
 
     @property
     def n_past(self) -> int:
         return len(self.tokens)
 
-    def decode(self, tokens: Sequence[int], logits: str = "last") -> None:
-        """Append tokens at the end of the cache. logits: 'last', 'all' or 'none' (rows kept for `logits`).
-
-        A run longer than n_batch is split; with 'all' it must fit one batch."""
-        import llama_cpp
-
-        n = len(tokens)
-        if n == 0:
-            return
-        if self.n_past + n > self.n_ctx:
-            raise InputError(f"context full: {self.n_past} + {n} tokens > n_ctx {self.n_ctx}")
-        if logits == "all" and n > self.n_batch:
-            raise LlamaError(f"cannot score {n} tokens in one batch of {self.n_batch}")
-        b = self._batch
-        for start in range(0, n, self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
-            last_chunk = start + self.n_batch >= n
-            pos0 = self.n_past
-            for i, t in enumerate(chunk):
-                b.token[i] = t
-                b.pos[i] = pos0 + i
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
-                b.logits[i] = logits == "all"
-            if logits == "last" and last_chunk:
-                b.logits[len(chunk) - 1] = 1
-            b.n_tokens = len(chunk)
-            rc = llama_cpp.llama_decode(self._ptr, b)
-            if rc != 0:
-                raise LlamaError(f"llama_decode failed with code {rc} at position {pos0}")
-            self.tokens.extend(chunk)
-
-    def logits(self, i: int = -1) -> np.ndarray:
-        """Logits row for token i of the last decoded batch (a view: valid until the next decode)."""
-        import llama_cpp
-
-        ptr = llama_cpp.llama_get_logits_ith(self._ptr, i)
-        if not ptr:
-            raise LlamaError(f"no logits at batch index {i}")
-        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-
-    def rewind(self, n: int) -> None:
-        """Drop every position >= n from the KV cache."""
-        import llama_cpp
-
-        if n >= self.n_past:
-            return
-        if not llama_cpp.llama_memory_seq_rm(self._mem, 0, n, -1):
-            raise LlamaError(f"llama.cpp could not rewind the cache to position {n}")
-        del self.tokens[n:]
-
     def common_prefix(self, tokens: Sequence[int]) -> int:
-        """Length of the longest cached prefix of `tokens`. Runs once per draft cycle, so it bisects with
-        list-slice comparisons (done in C) instead of walking the whole context in Python."""
-        tokens = list(tokens)
-        cached = self.tokens
-        lo, hi = 0, min(len(cached), len(tokens))
-        if cached[:hi] == tokens[:hi]:
-            return hi
-        while lo < hi:  # invariant: prefix of length lo matches, of length hi+1 does not
-            mid = (lo + hi + 1) // 2
-            if cached[:mid] == tokens[:mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return common_prefix(self.tokens, tokens)
 
-    def sync(self, tokens: Sequence[int], logits: str = "last") -> int:
+    def sync(self, tokens: Sequence[int], logits: LogitsMode = "last") -> int:
         """Make the cache hold exactly `tokens`, reusing the longest cached prefix; returns tokens decoded.
 
         When `tokens` is already cached in full, the last one is decoded again so logits exist."""
@@ -318,7 +255,133 @@ class Context:
     def reset(self) -> None:
         self.rewind(0)
 
+
+class Context(PrefixCache):
+    """One llama.cpp context (KV cache) over a Model, with a reusable batch.
+
+    `tokens` always equals what the KV cache holds, position by position."""
+
+    def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 512, n_threads: Optional[int] = None,
+                 n_seq_max: int = 1):
+        import llama_cpp
+
+        self.model = model
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = n_seq_max
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.no_perf = True
+        self._ptr = llama_cpp.llama_init_from_model(model._ptr, params)
+        if not self._ptr:
+            raise LlamaError(f"llama.cpp could not create a context of {n_ctx} for {model.path.name}")
+        self.n_ctx = llama_cpp.llama_n_ctx(self._ptr)
+        self.n_batch = n_batch
+        self._mem = llama_cpp.llama_get_memory(self._ptr)
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, n_seq_max)
+        self.n_seq_max = n_seq_max
+        self.tokens: list[int] = []  # sequence 0, position by position
+        self._n_vocab = model.n_vocab
+        ref = weakref.ref(self)
+        model._stack.callback(lambda: (c := ref()) is not None and c.close())  # freed before its model
+
+    def decode(self, tokens: Sequence[int], logits: LogitsMode = "last") -> None:
+        """Append tokens to sequence 0 at the end of the cache. logits: 'last', 'all' or 'none' (rows kept
+        for `logits`). A run longer than n_batch is split; with 'all' it must fit one batch."""
+        n = len(tokens)
+        if n == 0:
+            return
+        if self.n_past + n > self.n_ctx:
+            raise InputError(f"context full: {self.n_past} + {n} tokens > n_ctx {self.n_ctx}")
+        if logits == "all" and n > self.n_batch:
+            raise LlamaError(f"cannot score {n} tokens in one batch of {self.n_batch}")
+        for start in range(0, n, self.n_batch):
+            chunk = list(tokens[start:start + self.n_batch])
+            last_chunk = start + self.n_batch >= n
+            rows = range(len(chunk)) if logits == "all" else [len(chunk) - 1] if logits == "last" and last_chunk \
+                else []
+            pos0 = self.n_past
+            self.decode_at(chunk, [pos0 + i for i in range(len(chunk))], [(0,)] * len(chunk), rows)
+            self.tokens.extend(chunk)
+
+    def decode_at(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]],
+                  logit_rows: Sequence[int]) -> None:
+        """One llama_decode of `tokens` at explicit positions and sequence ids, with logits for the rows in
+        `logit_rows`. The seam for verifiers that score several candidates in one call (a token shared by
+        branches lists several sequence ids). It does not touch `tokens`: callers that use it own the record
+        of what sequences other than 0 hold, and clear them with `remove`."""
+        import llama_cpp
+
+        n = len(tokens)
+        if not n == len(positions) == len(seq_ids) or n > self.n_batch:
+            raise LlamaError(f"bad batch: {n} tokens, {len(positions)} positions, batch size {self.n_batch}")
+        b, want = self._batch, set(logit_rows)
+        for i, t in enumerate(tokens):
+            b.token[i] = t
+            b.pos[i] = positions[i]
+            b.n_seq_id[i] = len(seq_ids[i])
+            for k, s in enumerate(seq_ids[i]):
+                b.seq_id[i][k] = s
+            b.logits[i] = i in want
+        b.n_tokens = n
+        rc = llama_cpp.llama_decode(self._ptr, b)
+        if rc != 0:
+            raise LlamaError(f"llama_decode failed with code {rc} at position {positions[0]}")
+
+    def remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        """Drop positions [p0, p1) of one sequence (p1 = -1: to the end)."""
+        import llama_cpp
+
+        if not llama_cpp.llama_memory_seq_rm(self._mem, seq_id, p0, p1):
+            raise LlamaError(f"llama.cpp could not remove positions {p0}..{p1} of sequence {seq_id}")
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """Logits row for token i of the last decoded batch (a view: valid until the next decode)."""
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(self._ptr, i)
+        if not ptr:
+            raise LlamaError(f"no logits at batch index {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    def rewind(self, n: int) -> None:
+        """Drop every position >= n of sequence 0 from the KV cache."""
+        if n >= self.n_past:
+            return
+        self.remove(0, n, -1)
+        del self.tokens[n:]
+
+    # -- state transfer between sibling contexts ------------------------------------------------
+    def export_state(self) -> tuple[ctypes.Array, int]:
+        """Sequence 0's KV cache as llama.cpp serializes it (`llama_state_seq_get_data`): (buffer, bytes)."""
+        import llama_cpp
+
+        size = llama_cpp.llama_state_seq_get_size(self._ptr, 0)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(self._ptr, buf, size, 0)
+        if n == 0:
+            raise LlamaError("llama.cpp could not export the sequence state")
+        return buf, n
+
+    def import_state(self, state: tuple[ctypes.Array, int], tokens: Sequence[int]) -> bool:
+        """Load a sibling's sequence state in place of this context's sequence 0, which then holds `tokens`.
+        False when llama.cpp refuses it (another architecture, KV types or layout); the cache is then empty."""
+        import llama_cpp
+
+        self.rewind(0)
+        buf, size = state
+        n = llama_cpp.llama_state_seq_set_data(self._ptr, buf, size, 0)
+        if n == 0:
+            self.remove(0, 0, -1)
+            return False
+        self.tokens = list(tokens)
+        return True
+
     def close(self) -> None:
+        """Free the batch and the context. Idempotent; the model's exit stack calls it before freeing the model."""
         import llama_cpp
 
         if getattr(self, "_ptr", None):
@@ -326,7 +389,7 @@ class Context:
             llama_cpp.llama_free(self._ptr)
             self._ptr = None
 
-    def __del__(self):
+    def __del__(self):  # a context dropped without close(): free it now rather than with its model
         with contextlib.suppress(Exception):
             self.close()
 

@@ -2,12 +2,20 @@
 
 Cost model of one cycle with draft length g: g draft steps + one parent call on g+1 tokens.
 With per-token acceptance a, a cycle yields E(a, g) = (1 - a^(g+1)) / (1 - a) tokens.
-The adaptive controller picks the g in [0, g_max] with the most expected tokens per second."""
+The adaptive controller picks the g in [0, g_max] with the most expected tokens per second.
+Both classes implement `protocols.GammaPolicy`: `draft_length()` is pure, `update()` changes state."""
 
 from __future__ import annotations
 
 from typing import Optional
 
+from specquant_cli.decoding.protocols import CycleOutcome
+
+# The acceptance prior counts as this many observed tokens, so the first few cycles cannot swing it.
+PRIOR_PSEUDO_COUNTS = 4.0
+# A longer draft must promise at least this much more throughput than a shorter one to be chosen:
+# on near ties the shorter draft wastes less when the estimate is off.
+TIE_MARGIN = 1.01
 
 
 def verify_shape(n: int) -> float:
@@ -20,10 +28,10 @@ class FixedGamma:
     def __init__(self, gamma: int):
         self.gamma = max(0, int(gamma))
 
-    def next(self) -> int:
+    def draft_length(self) -> int:
         return self.gamma
 
-    def update(self, proposed: int, accepted: int, draft_s: float, verify_s: float, batch: int) -> None:
+    def update(self, outcome: CycleOutcome) -> None:
         pass
 
     def __repr__(self) -> str:
@@ -39,18 +47,25 @@ def expected_tokens(alpha: float, g: int) -> float:
 
 
 class AdaptiveGamma:
-    """EMA estimates of acceptance, draft cost per token and verify cost per batch size."""
+    """EMA estimates of acceptance, draft cost per token and verify cost per batch size.
+
+    Why this estimator: acceptance is tracked as decayed counts of accepted tokens and of rejections
+    (one per cycle that stopped short), so alpha = acc / (acc + rej) is the per-token acceptance of a
+    geometric model — each drafted token is kept with probability alpha until the first rejection —
+    which is exactly the model behind E(alpha, g). Decay lets it follow a drift within an answer."""
 
     def __init__(self, g_max: int = 8, g_init: int = 4, decay: float = 0.85, probe_every: int = 16,
-                 alpha_prior: float = 0.5):
+                 alpha_prior: float = 0.5, verify_prior: Optional[dict[int, float]] = None,
+                 draft_prior: Optional[float] = None):
         self.g_max = g_max
         self.gamma = g_init
         self.decay = decay
         self.probe_every = probe_every
-        self.acc, self.rej = alpha_prior * 4, (1 - alpha_prior) * 4  # pseudo-counts
-        self.t_draft: Optional[float] = None
-        self.t_verify: dict[int, float] = {}
+        self.acc, self.rej = alpha_prior * PRIOR_PSEUDO_COUNTS, (1 - alpha_prior) * PRIOR_PSEUDO_COUNTS
+        self.t_draft: Optional[float] = draft_prior
+        self.t_verify: dict[int, float] = dict(verify_prior or {})
         self._since_draft = 0
+        self._probe = False
 
     @property
     def alpha(self) -> float:
@@ -59,14 +74,19 @@ class AdaptiveGamma:
     def _ema(self, old: Optional[float], new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def update(self, proposed: int, accepted: int, draft_s: float, verify_s: float, batch: int) -> None:
-        if proposed:
-            rejected = 1 if accepted < proposed else 0
-            self.acc = self.decay * self.acc + accepted
+    def update(self, outcome: CycleOutcome) -> None:
+        if outcome.proposed:
+            rejected = 1 if outcome.accepted < outcome.proposed else 0
+            self.acc = self.decay * self.acc + outcome.accepted
             self.rej = self.decay * self.rej + rejected
-            self.t_draft = self._ema(self.t_draft, draft_s / proposed)
-        self.t_verify[batch] = self._ema(self.t_verify.get(batch), verify_s)
+            self.t_draft = self._ema(self.t_draft, outcome.draft_s / outcome.proposed)
+        self.t_verify[outcome.scored] = self._ema(self.t_verify.get(outcome.scored), outcome.verify_s)
         self.gamma = self._choose()
+        # After probe_every cycles without drafting, draft one token once: acceptance may have changed.
+        self._since_draft = 0 if outcome.proposed or self.gamma else self._since_draft + 1
+        self._probe = self._since_draft >= self.probe_every
+        if self._probe:
+            self._since_draft = 0
 
     def _verify_cost(self, n: int) -> Optional[float]:
         """Measured cost of a parent call on n tokens, else the nearest measured size scaled by the prior."""
@@ -84,17 +104,12 @@ class AdaptiveGamma:
         for g in range(0, self.g_max + 1):
             cost = g * self.t_draft + (self._verify_cost(g + 1) or 0.0)
             rate = expected_tokens(self.alpha, g) / max(cost, 1e-9)
-            if rate > best_rate * 1.01:  # prefer the shorter draft on near ties
+            if rate > best_rate * TIE_MARGIN:
                 best, best_rate = g, rate
         return best
 
-    def next(self) -> int:
-        if self.gamma == 0:
-            self._since_draft += 1
-            if self._since_draft >= self.probe_every:  # re-probe: acceptance may have changed
-                self._since_draft = 0
-                return 1
-        return self.gamma
+    def draft_length(self) -> int:
+        return 1 if self.gamma == 0 and self._probe else self.gamma
 
     def __repr__(self) -> str:
         return f"adaptive(g={self.gamma}, alpha={self.alpha:.2f})"

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -91,7 +92,8 @@ def read_info(path: Path) -> GGUFInfo:
     weight_type = max(types, key=types.get) if types else "F32"
     ft = _field(reader, "general.file_type")
     try:
-        file_type = gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_").removeprefix("ALL_") if ft is not None else ""
+        name = gguf.LlamaFileType(int(ft)).name if ft is not None else ""
+        file_type = name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except ValueError:
         file_type = ""
     hp = {}

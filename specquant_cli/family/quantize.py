@@ -5,15 +5,16 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
-from specquant_cli import family as fam
 from specquant_cli.errors import InputError, LlamaError, ModelFileError, ResourceError
+from specquant_cli.family import manifest as fam
+from specquant_cli.family.ggufio import GGUFInfo, read_info
 from specquant_cli.fsutil import atomic_path, sha256_file
-from specquant_cli.ggufio import GGUFInfo, read_info
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ def variant_record(path: Path, q: QuantType, n_params: int, out_dir: Path) -> di
     return {
         "type": q.name, "role": q.role, "path": os.path.relpath(path, out_dir), "size_bytes": size,
         "bits_per_weight": round(size * 8 / max(1, n_params), 3), "sha256": sha256_file(path),
-        "created": datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.fromtimestamp(path.stat().st_mtime, UTC).isoformat(timespec="seconds"),
         "llama_cpp_python": llama_cpp.__version__,
     }
 
@@ -142,7 +143,7 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
                     provenance: Optional[str] = None, notes: Optional[dict] = None,
                     progress: Optional[ProgressFn] = None) -> dict:
     """Make every requested variant of `base` in `out_dir` and write `manifest.json`. Returns the manifest."""
-    from specquant_cli.llama import llama_log_to
+    from specquant_cli.backend.llama import llama_log_to
 
     base = Path(base)
     info = read_info(base)

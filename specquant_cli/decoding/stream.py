@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
-from specquant_cli.engine import Engine
-from specquant_cli.llama import Detokenizer
+from specquant_cli.backend.llama import Detokenizer
+from specquant_cli.decoding.engine import Engine
+from specquant_cli.names import FinishReason
 
 STAT_FIELDS = ("prompt_tokens", "new_tokens", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
-               "parent_calls", "prefill_s", "draft_s", "verify_s", "total_s", "tokens_per_s", "finish_reason")
+               "parent_calls", "prefill_s", "parent_prefill_s", "draft_prefill_s", "kv_import_s", "kv_import",
+               "draft_s", "verify_s", "total_s", "tokens_per_s", "decode_tokens_per_s", "finish_reason")
 
 
 @dataclass
@@ -25,12 +28,17 @@ class Response:
     acceptance_rate: float  # accepted / drafted
     mean_accepted_length: float  # new tokens per parent call
     parent_calls: int
-    prefill_s: float
+    prefill_s: float  # the parent's prefill + the drafter's preparation
+    parent_prefill_s: float
+    draft_prefill_s: float
+    kv_import_s: float
+    kv_import: Optional[bool]  # the model drafter imported the parent's KV cache (None: no model drafter)
     draft_s: float
     verify_s: float
     total_s: float
     tokens_per_s: float  # new tokens / total_s (prefill included)
-    finish_reason: Optional[str] = None  # stop | length | interrupted, on the last record
+    decode_tokens_per_s: float  # new tokens / the time after the parent's own prefill
+    finish_reason: Optional[FinishReason] = None  # on the last record
 
     def stats(self) -> dict:
         d = asdict(self)
@@ -40,12 +48,15 @@ class Response:
 def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finish=None) -> Response:
     s = engine.stats
     total = time.perf_counter() - t0
+    decode = total - s.parent_prefill_s
     return Response(
         text=text, token=token, from_draft=from_draft, prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens,
         drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.accepted / s.drafted if s.drafted else 0.0,
         mean_accepted_length=s.new_tokens / s.parent_calls if s.parent_calls else 0.0,
-        parent_calls=s.parent_calls, prefill_s=s.prefill_s, draft_s=s.draft_s, verify_s=s.verify_s,
-        total_s=total, tokens_per_s=s.new_tokens / total if total > 0 else 0.0, finish_reason=finish)
+        parent_calls=s.parent_calls, prefill_s=s.prefill_s, parent_prefill_s=s.parent_prefill_s,
+        draft_prefill_s=s.draft_prefill_s, kv_import_s=s.kv_import_s, kv_import=s.kv_import, draft_s=s.draft_s,
+        verify_s=s.verify_s, total_s=total, tokens_per_s=s.new_tokens / total if total > 0 else 0.0,
+        decode_tokens_per_s=s.new_tokens / decode if decode > 0 else 0.0, finish_reason=finish)
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -66,7 +77,7 @@ def stream_generate(engine: Engine, prompt: Sequence[int], max_tokens: int,
     detok = Detokenizer(engine.parent.model)
     stops = [s for s in stop if s]
     pending = ""
-    finish = "length"
+    finish: FinishReason = "length"
     events = engine.generate(prompt, max_tokens)
     try:
         for ev in events:

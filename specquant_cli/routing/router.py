@@ -6,9 +6,10 @@ overrides them under a [router] table. Calibration: scripts/calibrate_router.py 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from specquant_cli.errors import InputError, SpecquantError
 

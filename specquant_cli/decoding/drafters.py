@@ -1,0 +1,178 @@
+"""Drafters: context in, up to n proposed tokens out (with the draft's distributions when a model sampled).
+
+Every drafter implements `protocols.Drafter`; `DrafterBase` gives the no-op defaults (nothing to prepare,
+no context limit, no feedback), so the engine never asks what kind of drafter it holds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+
+from specquant_cli.decoding.protocols import CycleOutcome, Draft, Prepared, TokenContext
+from specquant_cli.decoding.sampling import SamplingParams, greedy_token, probs, sample
+
+# A model drafter imports the parent's KV cache instead of decoding when it lacks more than this many
+# prompt tokens: an import costs about as much as decoding a handful of tokens (709 tokens: 87 ms).
+IMPORT_MIN_TOKENS = 8
+
+
+class DrafterBase:
+    name = "drafter"
+
+    @property
+    def n_ctx(self) -> Optional[int]:
+        return None
+
+    def prepare(self, seq: Sequence[int]) -> Optional[Prepared]:
+        return None
+
+    def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
+        pass
+
+
+class NGramDrafter(DrafterBase):
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n-gram (longest n first)
+    in prompt + output so far, and propose what followed it. Costs no model call."""
+
+    name = "ngram"
+
+    def __init__(self, ngram_sizes: Sequence[int] = (4, 3, 2), min_tokens: int = 1):
+        self.sizes = sorted(set(int(n) for n in ngram_sizes), reverse=True)
+        self.min_tokens = min_tokens
+
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams = None, rng=None) -> Draft:
+        if n <= 0:
+            return Draft()
+        arr = np.asarray(seq, dtype=np.int64)
+        for size in self.sizes:
+            if len(arr) <= size:
+                continue
+            tail = arr[-size:]
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], size)
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            hits = hits[hits + size < len(arr)]
+            if len(hits):
+                start = int(hits[-1]) + size
+                tokens = arr[start:start + n].tolist()
+                if len(tokens) >= self.min_tokens:
+                    return Draft(tokens)
+        return Draft()
+
+
+class ModelDrafter(DrafterBase):
+    """A quantized variant drafts with its own context, kept in step with the sequence by prefix reuse.
+
+    With `parent` (a sibling context of the same family and KV layout), the draft skips its prompt prefill:
+    after the parent has prefilled, its sequence state is imported (`Context.import_state`); when llama.cpp
+    refuses that, the draft prefills itself and the refusal is remembered. With `p_min`, drafting stops as
+    soon as the draft's top probability falls below it. With `window`, the draft reads only the last
+    `window` tokens of the prompt (plus everything generated since)."""
+
+    def __init__(self, ctx: TokenContext, name: str = "model", p_min: Optional[float] = None,
+                 stop_ids: frozenset[int] = frozenset(), window: Optional[int] = None,
+                 parent: Optional[TokenContext] = None):
+        self.ctx = ctx
+        self.name = name
+        self.p_min = p_min
+        self.stop_ids = stop_ids or ctx.model.eog_ids
+        self.window = window
+        self.parent = parent
+        self.import_ok = True  # until llama.cpp refuses an import once
+        self.start = 0  # first token of the sequence the draft context holds
+
+    @property
+    def n_ctx(self) -> Optional[int]:
+        return self.ctx.n_ctx
+
+    def prepare(self, seq: Sequence[int]) -> Prepared:
+        """Catch up on the prompt. Called after the parent's prefill (or between cycles), when the parent's
+        cache holds seq[:-1]. An imported cache makes the window unnecessary: the draft reads everything."""
+        t0 = time.perf_counter()
+        imported = self._import(seq)
+        self.start = max(0, len(seq) - self.window) if self.window and not imported else 0
+        t1 = time.perf_counter()
+        self.ctx.sync(seq[self.start:])
+        t2 = time.perf_counter()
+        return Prepared(prefill_s=t2 - t1, import_s=t1 - t0 if imported is not None else 0.0, imported=imported)
+
+    def _import(self, seq: Sequence[int]) -> Optional[bool]:
+        """Import the parent's cache when that saves a real prefill; None when no import was tried."""
+        parent = self.parent
+        if parent is None or not self.import_ok:
+            return None
+        have = parent.tokens
+        if have != list(seq[:len(have)]) or len(have) - self.ctx.common_prefix(seq) <= IMPORT_MIN_TOKENS:
+            return None
+        ok = self.ctx.import_state(parent.export_state(), have)
+        self.import_ok = ok
+        return ok
+
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft:
+        if n <= 0:
+            return Draft()
+        ctx = self.ctx
+        if self.start >= len(seq):  # a new, shorter sequence without prepare()
+            self.start = 0
+        ctx.sync(seq[self.start:])
+        out, qs = [], []
+        for i in range(n):
+            row = ctx.logits(-1)
+            if sp.greedy:
+                t = greedy_token(row)
+                if self.p_min is not None and _top_prob(row, t) < self.p_min:
+                    break
+            else:
+                q = probs(row, sp)
+                t = sample(q, rng)
+                if self.p_min is not None and float(q.max()) < self.p_min:
+                    break
+                qs.append(q)
+            out.append(t)
+            if t in self.stop_ids or i == n - 1:
+                break  # the last drafted token is decoded lazily, by the next sync, only if it is kept
+            ctx.decode([t], logits="last")
+        return Draft(out, qs if not sp.greedy else None)
+
+
+def _top_prob(row: np.ndarray, top: int) -> float:
+    return float(1.0 / np.exp(row - row[top]).sum())
+
+
+class FallbackDrafter(DrafterBase):
+    """Free drafts from `first` (draft-free) when it offers them, the model's drafts otherwise.
+
+    The model drafter wakes up only once the answer is `activate_after` tokens long: without a KV import
+    its prefill costs ~2/3 of the parent's per token on a CPU, more than short answers can win back."""
+
+    def __init__(self, first: DrafterBase, then: ModelDrafter, min_tokens: int = 2, activate_after: int = 32):
+        self.first, self.then = first, then
+        self.min_tokens = min_tokens
+        self.activate_after = activate_after
+        self.name = f"{first.name}+{then.name}"
+        self._prompt_len = 0
+        self._active = False
+
+    @property
+    def n_ctx(self) -> Optional[int]:
+        return self.then.n_ctx
+
+    def prepare(self, seq: Sequence[int]) -> Optional[Prepared]:
+        self._prompt_len = len(seq)
+        self._active = False
+        self.first.prepare(seq)
+        return None
+
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft:
+        d = self.first.propose(seq, n, sp, rng)
+        if len(d.tokens) >= min(self.min_tokens, n) or len(seq) - self._prompt_len < self.activate_after:
+            return d
+        if not self._active:
+            self.then.prepare(seq)
+            self._active = True
+        return self.then.propose(seq, n, sp, rng)
+
+    def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
+        self.first.feedback(seq, outcome)

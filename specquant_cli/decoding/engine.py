@@ -1,0 +1,130 @@
+"""The accept/reject loop. Yields one TokenEvent per token the parent would have produced.
+
+Invariant between cycles: the parent's KV cache holds every token of `seq` except the last one, which
+is fed as the first token of the next verification batch. Both contexts keep `tokens == KV contents`,
+so an interrupted cycle is repaired by the next prefix sync; the verifier's rewind sits in `finally`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from specquant_cli.decoding.gamma import FixedGamma
+from specquant_cli.decoding.protocols import CycleOutcome, Draft, Drafter, GammaPolicy, TokenContext, Verifier
+from specquant_cli.decoding.sampling import GREEDY, SamplingParams
+from specquant_cli.decoding.verify import LinearVerifier
+from specquant_cli.errors import InputError
+
+DEFAULT_GAMMA = 4
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    from_draft: bool  # proposed by the drafter and accepted by the parent
+    eog: bool = False
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens the parent decoded (the rest came from its prefix cache)
+    new_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    parent_calls: int = 0
+    prefill_s: float = 0.0  # parent prefill + the drafter's preparation (its prefill or KV import)
+    parent_prefill_s: float = 0.0  # the parent's own prefill: the floor of any lossless plan
+    draft_prefill_s: float = 0.0  # the drafter decoding the prompt itself
+    kv_import_s: float = 0.0  # the drafter importing the parent's KV cache instead
+    kv_import: Optional[bool] = None  # None: no model drafter prepared; False: it prefilled itself
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+class Engine:
+    def __init__(self, parent: TokenContext, drafter: Optional[Drafter] = None,
+                 gamma: Optional[GammaPolicy] = None, sampling: SamplingParams = GREEDY,
+                 verifier: Optional[Verifier] = None):
+        self.parent = parent
+        self.drafter = drafter
+        self.gamma = gamma if gamma is not None else FixedGamma(DEFAULT_GAMMA if drafter else 0)
+        self.sp = sampling
+        self.rng = sampling.rng()
+        self.verifier = verifier or LinearVerifier(sampling, self.rng)
+        self.stats = EngineStats()
+        self.eog_ids = parent.model.eog_ids
+
+    def check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        limits = [self.parent.n_ctx] + ([self.drafter.n_ctx] if self.drafter and self.drafter.n_ctx else [])
+        n_ctx = min(limits)
+        if n_prompt == 0:
+            raise InputError("empty prompt")
+        if n_prompt + max_tokens > n_ctx:
+            raise InputError(f"prompt of {n_prompt} tokens + max_tokens {max_tokens} exceeds the context "
+                             f"size {n_ctx}; shorten the prompt or lower --max-tokens")
+
+    def generate(self, prompt: Sequence[int], max_tokens: int) -> Iterator[TokenEvent]:
+        """Generate up to `max_tokens` tokens after `prompt`.
+
+        Args:
+            prompt: token ids, already rendered with the chat template.
+            max_tokens: upper bound on yielded events.
+
+        Yields:
+            One TokenEvent per generated token, in order, exactly the tokens the parent alone would have
+            produced (greedy) or a sample of its distribution (sampling). An end-of-generation token is
+            yielded with `eog=True` and ends the stream. `self.stats` is replaced at the start and updated as
+            the iterator is consumed; closing the iterator early leaves both caches consistent."""
+        self.check_fits(len(prompt), max_tokens)
+        st = self.stats = EngineStats(prompt_tokens=len(prompt))
+        seq = list(prompt)
+        self._prefill(seq)
+        while st.new_tokens < max_tokens:
+            room = max_tokens - st.new_tokens - 1  # the cycle's own token always fits
+            g = min(self.gamma.draft_length(), room) if self.drafter else 0
+            draft, draft_s = self._draft(seq, g)
+            outcome = self._verify(seq, draft, draft_s)
+            self.gamma.update(outcome)
+            if self.drafter is not None:
+                self.drafter.feedback(seq, outcome)
+            for i, tok in enumerate(draft.tokens[:outcome.accepted] + [outcome.next_token]):
+                seq.append(tok)
+                st.new_tokens += 1
+                eog = tok in self.eog_ids
+                yield TokenEvent(tok, from_draft=i < outcome.accepted, eog=eog)
+                if eog:
+                    return
+
+    def _prefill(self, seq: list[int]) -> None:
+        st = self.stats
+        t0 = time.perf_counter()
+        st.prefill_tokens = self.parent.sync(seq[:-1], logits="none")
+        st.parent_prefill_s = time.perf_counter() - t0
+        if self.drafter is not None:
+            rep = self.drafter.prepare(seq)
+            if rep is not None:
+                st.draft_prefill_s, st.kv_import_s, st.kv_import = rep.prefill_s, rep.import_s, rep.imported
+        st.prefill_s = time.perf_counter() - t0
+
+    def _draft(self, seq: list[int], g: int) -> tuple[Draft, float]:
+        if g <= 0:
+            return Draft(), 0.0
+        t0 = time.perf_counter()
+        draft = self.drafter.propose(seq, g, self.sp, self.rng)
+        dt = time.perf_counter() - t0
+        self.stats.draft_s += dt
+        self.stats.drafted += len(draft.tokens)
+        return draft, dt
+
+    def _verify(self, seq: list[int], draft: Draft, draft_s: float) -> CycleOutcome:
+        t0 = time.perf_counter()
+        accepted, nxt = self.verifier.verify(self.parent, seq, draft)
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.parent_calls += 1
+        st.accepted += accepted
+        st.verify_s += dt
+        return CycleOutcome(len(draft.tokens), accepted, nxt, draft_s, dt, len(draft.tokens) + 1)

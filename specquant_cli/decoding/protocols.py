@@ -1,0 +1,112 @@
+"""The seams of the decoding pipeline, written down once: what the engine drives and what plugs into it.
+
+The engine talks to a `TokenContext` (a KV cache with a token record), a `Drafter` (proposes tokens), a
+`Verifier` (scores a draft with the parent in one call) and a `GammaPolicy` (how many tokens to draft).
+Real implementations: backend.llama.Context; decoding.drafters; decoding.verify; decoding.gamma.
+The scripted test context implements the same protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, runtime_checkable
+
+import numpy as np
+
+from specquant_cli.names import LogitsMode
+
+
+class TokenModel(Protocol):
+    """What the engine needs of a model: its vocabulary size, end-of-generation ids and token bytes."""
+
+    n_vocab: int
+
+    @property
+    def eog_ids(self) -> frozenset[int]: ...
+
+    def piece(self, token: int) -> bytes: ...
+
+
+@runtime_checkable
+class TokenContext(Protocol):
+    """A KV cache whose `tokens` list is, position by position, what it holds (sequence 0)."""
+
+    model: TokenModel
+    n_ctx: int
+    tokens: list[int]
+
+    @property
+    def n_past(self) -> int: ...
+
+    def decode(self, tokens: Sequence[int], logits: LogitsMode = "last") -> None: ...
+
+    def logits(self, i: int = -1) -> np.ndarray: ...
+
+    def rewind(self, n: int) -> None: ...
+
+    def sync(self, tokens: Sequence[int], logits: LogitsMode = "last") -> int: ...
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    # One distribution per token when a model *sampled* the draft; None for greedy or deterministic drafts
+    # (the verifier then treats each token as proposed with probability 1).
+    q: Optional[list[np.ndarray]] = None
+
+
+@dataclass(frozen=True)
+class CycleOutcome:
+    """How one draft-and-verify cycle went; handed to the γ policy and to the drafter's feedback hook."""
+
+    proposed: int  # draft length
+    accepted: int  # drafted tokens the parent kept
+    next_token: int  # the parent's own token after them (correction or bonus)
+    draft_s: float
+    verify_s: float
+    scored: int  # tokens in the parent's call (proposed + 1 for a linear verifier)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a drafter's preparation cost: its own prefill, or an import of the parent's KV cache."""
+
+    prefill_s: float = 0.0
+    import_s: float = 0.0
+    imported: Optional[bool] = None  # None: nothing to prepare (draft-free); False: prefilled itself
+
+
+class Drafter(Protocol):
+    """Proposes up to n tokens to continue a sequence.
+
+    `prepare` is called once per generation before the first cycle (a model drafter catches up on the
+    prompt there); `n_ctx` is the drafter's own context limit (None: unlimited); `feedback` hears how
+    each draft fared (as transformers' `update_candidate_strategy`)."""
+
+    name: str
+
+    @property
+    def n_ctx(self) -> Optional[int]: ...
+
+    def prepare(self, seq: Sequence[int]) -> Optional[Prepared]: ...
+
+    def propose(self, seq: Sequence[int], n: int, sp, rng: np.random.Generator) -> Draft: ...
+
+    def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None: ...
+
+
+class Verifier(Protocol):
+    """Scores seq[-1] + draft in one parent call and decides what is kept. Afterwards the parent's cache
+    holds seq[:-1] + seq[-1] + the accepted draft tokens (the next token is not yet decoded)."""
+
+    def verify(self, parent: TokenContext, seq: Sequence[int], draft: Draft) -> tuple[int, int]:
+        """(accepted count, next token)."""
+        ...
+
+
+class GammaPolicy(Protocol):
+    """Draft length: `draft_length()` is pure; every state change happens in `update`."""
+
+    def draft_length(self) -> int: ...
+
+    def update(self, outcome: CycleOutcome) -> None: ...

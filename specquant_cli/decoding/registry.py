@@ -1,0 +1,85 @@
+"""Drafters by name. A spec knows which family roles its drafter loads and how to build one from the
+runtime; adding a drafter is one module plus one `register_drafter` call (or one row below)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+from specquant_cli.decoding.protocols import Drafter, TokenContext
+from specquant_cli.errors import InputError
+
+# Prompt tokens the adaptive policy's late-woken drafter reads when it cannot import the parent's cache.
+# Only there: a window bounds the draft's prefill but costs acceptance on long documents (Spec-Bench
+# summarization: 93 % -> 18 % for spec-q4).
+DRAFT_WINDOW = 128
+
+
+class DraftHost(Protocol):
+    """What a drafter spec may ask of the runtime that builds it."""
+
+    p_min: Optional[float]
+    kv_import: bool
+
+    def context(self, role: str) -> TokenContext: ...
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """name: the drafter's registry key; roles: family roles it loads (none for draft-free drafters);
+    build(host, target_role) -> Drafter; persistent: the runtime keeps one instance for the whole session
+    (a drafter with memory across requests), otherwise it builds a fresh one per answer."""
+
+    name: str
+    roles: tuple[str, ...]
+    build: Callable[[DraftHost, str], Drafter]
+    persistent: bool = False
+    help: str = ""
+
+
+DRAFTERS: dict[str, DrafterSpec] = {}
+
+
+def register_drafter(spec: DrafterSpec) -> DrafterSpec:
+    DRAFTERS[spec.name] = spec
+    return spec
+
+
+def drafter_spec(name: str) -> DrafterSpec:
+    try:
+        return DRAFTERS[name]
+    except KeyError:
+        raise InputError(f"unknown drafter {name!r}; known: {', '.join(DRAFTERS)}") from None
+
+
+def _model(role: str, window: Optional[int] = None):
+    def build(host: DraftHost, target: str) -> Drafter:
+        from specquant_cli.decoding.drafters import ModelDrafter
+
+        parent = host.context(target) if host.kv_import else None
+        return ModelDrafter(host.context(role), role, host.p_min, window=window, parent=parent)
+
+    return build
+
+
+def _ngram(host: DraftHost, target: str) -> Drafter:
+    from specquant_cli.decoding.drafters import NGramDrafter
+
+    return NGramDrafter()
+
+
+def _ngram_then_q4(host: DraftHost, target: str) -> Drafter:
+    from specquant_cli.decoding.drafters import FallbackDrafter, NGramDrafter
+
+    return FallbackDrafter(NGramDrafter((4, 3)), _model("q4", DRAFT_WINDOW)(host, target))
+
+
+for _spec in (
+    DrafterSpec("ngram", (), _ngram, help="prompt-lookup n-gram drafts (no model call)"),
+    DrafterSpec("q4", ("q4",), _model("q4"), help="the q4 variant drafts"),
+    DrafterSpec("q8", ("q8",), _model("q8"), help="the q8 variant drafts"),
+    DrafterSpec("ngram+q4", ("q4",), _ngram_then_q4,
+                help="n-gram drafts when the context offers them, q4 drafts after 32 tokens otherwise"),
+):
+    register_drafter(_spec)

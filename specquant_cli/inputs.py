@@ -1,0 +1,56 @@
+"""Reading prompts: when stdin is read, and UTF-8 checking."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Optional
+
+from specquant_cli.errors import InputError
+
+
+def decode_input(data: bytes) -> str:
+    """Input must be UTF-8: invalid bytes are refused (not replaced), so no prompt is silently altered."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"input is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                         "convert it first, e.g. with iconv -t UTF-8") from None
+
+
+def stdin_is_tty() -> bool:
+    try:
+        return sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def read_stdin() -> str:
+    stream = getattr(sys.stdin, "buffer", None)
+    data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8")
+    return decode_input(data)
+
+
+STDIN_RULE = ("stdin is read only when no PROMPT is given or a PROMPT argument is '-' (several arguments are "
+              "joined by blank lines, '-' standing for stdin at its place)")
+
+
+def read_prompt(args: Optional[Sequence[str]], allow_empty: bool = False) -> str:
+    """The prompt from PROMPT arguments. The rule (documented in the README): stdin is read when no
+    argument is given, or where an argument is '-'; a prompt given as an argument never waits on a pipe,
+    so a shell `while read` loop gets one answer per line. Arguments are joined by blank lines."""
+    args = list(args or [])
+    if not args:
+        args = ["-"]
+    parts, stdin_text = [], None
+    for a in args:
+        if a == "-":
+            if stdin_text is None:
+                stdin_text = read_stdin()
+            parts.append(stdin_text)
+        else:
+            parts.append(a)
+    text = "\n\n".join(p.strip("\n") for p in parts if p.strip())
+    if not text.strip() and not allow_empty:
+        raise InputError("empty prompt: give PROMPT or pipe text on stdin")
+    return text

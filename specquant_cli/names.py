@@ -1,0 +1,17 @@
+"""Names the whole program shares, as types: tiers, family roles, logits modes, finish reasons."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Tier = Literal["low", "medium", "high"]
+TIERS: tuple[str, ...] = get_args(Tier)
+
+# Family roles are open (quantize can add any), these are the ones the built-in policies know.
+Role = str
+PARENT_ROLE: Role = "f16"
+KNOWN_ROLES: tuple[str, ...] = ("q4", "q8", "f16")
+
+LogitsMode = Literal["last", "all", "none"]  # which rows of a decoded batch keep logits
+
+FinishReason = Literal["stop", "length", "interrupted"]

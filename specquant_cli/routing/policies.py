@@ -1,0 +1,131 @@
+"""Policies: which model generates (the target) and what drafts for it, per routed tier.
+
+One table (`POLICIES`, filled by `register_policy`) from which the policy list, the `--policy` help, the
+bench's default set, each plan's roles and the README's policy table are derived."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from specquant_cli.decoding.registry import drafter_spec
+from specquant_cli.errors import InputError
+from specquant_cli.names import PARENT_ROLE, TIERS, Tier
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """name; help (one line, the README's "what runs"); target: the role that generates; drafter: a name in
+    decoding.registry.DRAFTERS (None: the target alone); by_tier: drafter per routed tier, overriding
+    `drafter` (the paper's mapping); adaptive_gamma: draft length follows measured costs and acceptance;
+    lossy: the output is not the parent's; in_bench: part of `specquant bench`'s default set."""
+
+    name: str
+    help: str
+    target: str = PARENT_ROLE
+    drafter: Optional[str] = None
+    by_tier: Optional[dict[str, Optional[str]]] = None
+    adaptive_gamma: bool = False
+    lossy: bool = False
+    in_bench: bool = True
+
+    def drafter_for(self, tier: Optional[Tier]) -> Optional[str]:
+        if self.by_tier is not None:
+            return self.by_tier[tier or "high"]
+        return self.drafter
+
+    @property
+    def routed(self) -> bool:
+        """Whether the plan depends on the prompt's route (so the routing time is part of its cost)."""
+        return self.by_tier is not None
+
+
+POLICIES: dict[str, PolicySpec] = {}
+DEFAULT_POLICY = "paper"
+
+
+def register_policy(spec: PolicySpec) -> PolicySpec:
+    for d in {spec.drafter, *(spec.by_tier or {}).values()} - {None}:
+        drafter_spec(d)  # fails on an unknown drafter now, not at the first request
+    POLICIES[spec.name] = spec
+    return spec
+
+
+for _spec in (
+    PolicySpec("paper", "low → `q4` drafts, F16 verifies; medium → `q8` drafts, F16 verifies; high → F16 alone",
+               by_tier={"low": "q4", "medium": "q8", "high": None}),
+    PolicySpec("parent", "F16 alone"),
+    PolicySpec("spec-q4", "`q4` drafts, F16 verifies", drafter="q4"),
+    PolicySpec("spec-q8", "`q8` drafts, F16 verifies", drafter="q8"),
+    PolicySpec("ngram", "prompt-lookup n-gram drafts (no model call), F16 verifies", drafter="ngram"),
+    PolicySpec("adaptive", "n-gram drafts (matches of 3+ tokens) when the context offers them; after 32 "
+               "generated tokens `q4` drafts otherwise; draft length adapted to measured costs and acceptance",
+               drafter="ngram+q4", adaptive_gamma=True),
+    PolicySpec("quasar", "n-gram drafts verified by `q8`, draft length adapted", target="q8", drafter="ngram",
+               adaptive_gamma=True, lossy=True),
+    PolicySpec("q4", "the `q4` variant alone", target="q4", lossy=True),
+    PolicySpec("q8", "the `q8` variant alone", target="q8", lossy=True),
+):
+    register_policy(_spec)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What runs for one prompt: the target role, the drafter (a registry name) and how γ is chosen."""
+
+    policy: str
+    tier: Optional[Tier]
+    target: str
+    draft: Optional[str]
+    adaptive_gamma: bool = False
+    lossy: bool = False
+
+    @property
+    def roles(self) -> list[str]:
+        """Family roles this plan loads, target first."""
+        extra = drafter_spec(self.draft).roles if self.draft else ()
+        return [self.target] + [r for r in extra if r != self.target]
+
+    def describe(self) -> str:
+        how = f"{self.target} alone" if not self.draft else f"{self.draft} drafts, {self.target} verifies"
+        return how + (" (lossy)" if self.lossy else "")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "description": self.describe()}
+
+
+def policy_names() -> list[str]:
+    return list(POLICIES)
+
+
+def bench_policies() -> list[str]:
+    return [n for n, s in POLICIES.items() if s.in_bench]
+
+
+def policy_help() -> str:
+    return ", ".join(f"{n} (lossy)" if s.lossy else n for n, s in POLICIES.items())
+
+
+def check_policy(name: str) -> str:
+    if name not in POLICIES:
+        raise InputError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+    return name
+
+
+def plan_for(policy: str, tier: Optional[Tier]) -> Plan:
+    spec = POLICIES[check_policy(policy)]
+    return Plan(policy, tier, spec.target, spec.drafter_for(tier), spec.adaptive_gamma, spec.lossy)
+
+
+def all_roles(policies: list[str]) -> list[str]:
+    """Every role any of `policies` may load, over every tier."""
+    return sorted({r for p in policies for t in TIERS for r in plan_for(p, t).roles})
+
+
+def markdown_table() -> str:
+    """The README's policy table, generated from the registry (a test keeps the README in step)."""
+    rows = ["| policy | what runs | output |", "|---|---|---|"]
+    for n, s in POLICIES.items():
+        name = f"`{n}`" + (" (default)" if n == DEFAULT_POLICY else "")
+        rows.append(f"| {name} | {s.help} | {'**lossy**' if s.lossy else '= F16'} |")
+    return "\n".join(rows)

@@ -1,0 +1,108 @@
+"""Placement: a pure planner (hardware facts + what models need -> where each runs), and its use on a
+family (parent + optional draft), refusing before anything loads a set that does not fit."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from specquant_cli.errors import ResourceError
+from specquant_cli.family.ggufio import kv_cache_bytes
+from specquant_cli.system.hardware import Facts
+
+VRAM_RESERVE = 512 << 20  # CUDA context, scratch buffers
+COMPUTE_OVERHEAD = 256 << 20  # compute buffers per model, RAM or VRAM
+RAM_HEADROOM = 0.9  # share of available RAM a placement may take (the OS and page cache need the rest)
+
+
+def fits_ram(facts: Facts, nbytes: int) -> bool:
+    return nbytes <= facts.ram_available * RAM_HEADROOM
+
+
+@dataclass
+class ModelNeed:
+    """What one model of a plan needs: weights, KV cache, and its layer count (for partial offload)."""
+    role: str
+    weight_bytes: int
+    kv_bytes: int
+    n_layers: int
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + self.kv_bytes + COMPUTE_OVERHEAD
+
+
+@dataclass
+class Placement:
+    mode: str  # gpu | hybrid | cpu
+    gpu_layers: dict[str, int] = field(default_factory=dict)  # role -> n_gpu_layers (-1 = all)
+    ram_bytes: int = 0  # what stays in host memory
+    vram_bytes: int = 0
+    fits_ram: bool = True
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(facts: Facts, parent: ModelNeed, draft: Optional[ModelNeed] = None) -> Placement:
+    """Pure function: hardware facts + what the models need -> where each one runs."""
+    models = [parent] + ([draft] if draft else [])
+    usable = 0
+    if facts.gpus and facts.gpu_offload:
+        usable = max(0, max(g.free_bytes for g in facts.gpus) - VRAM_RESERVE)
+    ram_ok = lambda b: fits_ram(facts, b)  # noqa: E731
+    if usable and sum(m.total for m in models) <= usable:
+        return Placement("gpu", {m.role: -1 for m in models}, 0, sum(m.total for m in models), True,
+                         "parent and draft fit in free VRAM with their KV caches")
+    if usable and parent.total <= usable:
+        ram = draft.total if draft else 0
+        return Placement("hybrid", {parent.role: -1, **({draft.role: 0} if draft else {})}, ram, parent.total,
+                         ram_ok(ram), "parent on GPU, draft on CPU: both together do not fit in VRAM")
+    if usable and parent.n_layers:
+        per_layer = parent.weight_bytes / parent.n_layers
+        n = int((usable - parent.kv_bytes - COMPUTE_OVERHEAD) // per_layer)
+        if n >= 1:
+            n = min(n, parent.n_layers)
+            vram = int(n * per_layer) + parent.kv_bytes + COMPUTE_OVERHEAD
+            ram = parent.total - int(n * per_layer) + (draft.total if draft else 0)
+            return Placement("hybrid", {parent.role: n, **({draft.role: 0} if draft else {})}, ram, vram,
+                             ram_ok(ram), f"parent partly offloaded ({n}/{parent.n_layers} layers), draft on CPU")
+    ram = sum(m.total for m in models)
+    why = "no usable GPU" if not usable else "the parent does not fit in VRAM"
+    if facts.gpus and not facts.gpu_offload:
+        why = "llama-cpp-python is built without GPU offload"
+    return Placement("cpu", {m.role: 0 for m in models}, ram, 0, ram_ok(ram), f"CPU only: {why}")
+
+
+
+# Model pairs the policies use: (parent role, draft role or None).
+PAIRS = {"f16+q4": ("f16", "q4"), "f16+q8": ("f16", "q8"), "f16": ("f16", None),
+         "q8 (quasar)": ("q8", None), "q4": ("q4", None)}
+
+
+def need(fam, role: str, n_ctx: int) -> ModelNeed:
+    hp = fam.hparams
+    return ModelNeed(role, fam.size(role), kv_cache_bytes(hp, n_ctx), int(hp.get("block_count", 0)))
+
+
+def plan_pair(facts: Facts, fam, parent: str, draft: Optional[str], n_ctx: int) -> Placement:
+    return plan(facts, need(fam, parent, n_ctx), need(fam, draft, n_ctx) if draft else None)
+
+
+def family_plans(facts: Facts, fam, n_ctx: int) -> dict:
+    roles = set(fam.roles())
+    return {name: plan_pair(facts, fam, p, d, n_ctx).to_dict() for name, (p, d) in PAIRS.items()
+            if p in roles and (d is None or d in roles)}
+
+
+def require_fit(facts: Facts, fam, roles: list[str], n_ctx: int) -> Placement:
+    """Refuse, before loading anything, a set of models that does not fit where it would run."""
+    parent, *rest = roles
+    pl = plan(facts, need(fam, parent, n_ctx), need(fam, rest[0], n_ctx) if rest else None)
+    extra = sum(need(fam, r, n_ctx).total for r in rest[1:])  # further roles run on the CPU
+    ram = pl.ram_bytes + extra
+    if not fits_ram(facts, ram):
+        raise ResourceError(f"models {', '.join(roles)} need ~{ram / 2**30:.2f} GiB of RAM, "
+                            f"{facts.ram_available / 2**30:.2f} GiB available")
+    return pl

@@ -1,0 +1,75 @@
+"""Extension by registration: a drafter and a policy added from here, through the public registries only,
+run through `chat --policy` and `bench` without any other file knowing about them."""
+
+import json
+
+import pytest
+
+from specquant_cli.decoding.drafters import DrafterBase
+from specquant_cli.decoding.protocols import Draft
+from specquant_cli.decoding.registry import DRAFTERS, DrafterSpec, register_drafter
+from specquant_cli.routing.policies import POLICIES, PolicySpec, markdown_table, plan_for, register_policy
+
+from conftest import REPO, run_cli
+
+
+class RepeatDrafter(DrafterBase):
+    """Proposes the token that ended the sequence, n times: cheap, often wrong, never harmful."""
+
+    name = "test-repeat"
+
+    def __init__(self):
+        self.proposals = 0
+
+    def propose(self, seq, n, sp=None, rng=None):
+        self.proposals += 1
+        return Draft([seq[-1]] * n)
+
+
+@pytest.fixture
+def registered():
+    built = []
+
+    def build(host, target):
+        built.append(RepeatDrafter())
+        return built[-1]
+
+    register_drafter(DrafterSpec("test-repeat", (), build, help="test only"))
+    register_policy(PolicySpec("test-repeat", "test only: repeat drafts", drafter="test-repeat", in_bench=False))
+    yield built
+    del POLICIES["test-repeat"], DRAFTERS["test-repeat"]
+
+
+def test_registered_policy_plans_from_the_table(registered):
+    plan = plan_for("test-repeat", "high")
+    assert plan.draft == "test-repeat" and plan.roles == ["f16"] and not plan.lossy
+
+
+def test_registered_drafter_runs_through_chat_and_is_lossless(registered, family_dir):
+    args = ["chat", "--family", str(family_dir), "--max-tokens", "24", "--json", "Name three primary colors."]
+    parent = json.loads(run_cli(args + ["--policy", "parent"]).stdout)
+    r = run_cli(args + ["--policy", "test-repeat"])
+    assert r.exit_code == 0, r.stderr
+    mine = json.loads(r.stdout)
+    assert mine["text"] == parent["text"] and mine["route"]["policy"] == "test-repeat"
+    assert mine["stats"]["drafted"] > 0 and registered and registered[-1].proposals > 0
+
+
+def test_registered_drafter_runs_through_bench(registered, family_dir):
+    r = run_cli(["bench", "--family", str(family_dir), "--categories", "qa", "--limit", "1", "--max-tokens", "12",
+                 "--policies", "parent,test-repeat", "--warmup", "0", "--json"])
+    assert r.exit_code == 0, r.stderr
+    summ = {s["policy"]: s for s in json.loads(r.stdout)["summary"]}
+    assert summ["test-repeat"]["identical_rate"] == 1.0 and summ["test-repeat"]["acceptance_rate"] is not None
+
+
+def test_unknown_drafter_is_refused_at_registration():
+    from specquant_cli.errors import InputError
+
+    with pytest.raises(InputError, match="unknown drafter"):
+        register_policy(PolicySpec("broken", "x", drafter="no-such-drafter"))
+    assert "broken" not in POLICIES
+
+
+def test_readme_policy_table_is_generated_from_the_registry():
+    assert markdown_table() in (REPO / "README.md").read_text(encoding="utf-8")

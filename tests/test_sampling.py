@@ -1,0 +1,118 @@
+"""Sampling: the exact truncations of `probs`, and the speculative rules' fidelity (statistical, seeded)."""
+
+import numpy as np
+import pytest
+
+from specquant_cli.decoding.drafters import NGramDrafter
+from specquant_cli.decoding.engine import Engine
+from specquant_cli.decoding.gamma import FixedGamma
+from specquant_cli.decoding.sampling import SamplingParams, probs, speculative_verify
+
+from fakes import FakeContext, FakeModel
+
+V, EOG = 16, 15
+
+
+# ---- sampling fidelity ----------------------------------------------------------------------------
+P_LOGITS = np.log(np.array([0.05, 0.4, 0.05, 0.3, 0.2]))
+Q_LOGITS = np.log(np.array([0.3, 0.1, 0.3, 0.1, 0.2]))
+
+
+def chi2_stat(counts, p):
+    exp = p * counts.sum()
+    mask = exp > 0
+    return float((((counts - exp) ** 2)[mask] / exp[mask]).sum())
+
+
+def sampled_first_tokens(verify, n=20000, seed=0):
+    sp = SamplingParams(temperature=1.0)
+    p = probs(P_LOGITS, sp)
+    q = probs(Q_LOGITS, sp)
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(5)
+    for _ in range(n):
+        d = int(rng.choice(5, p=q))
+        k, nxt = verify(lambda j: p, [q], [d], rng)
+        counts[d if k == 1 else nxt] += 1
+    return counts, p
+
+
+def test_speculative_sampling_matches_parent_distribution():
+    counts, p = sampled_first_tokens(speculative_verify)
+    assert chi2_stat(counts, p) < 18.47  # chi-square, 4 dof, p = 0.001
+
+
+def test_fidelity_test_catches_a_wrong_residual():
+    def resample_from_p(p_rows, q_rows, draft, rng):  # common bug: on rejection sample p, not p - q
+        p, q, d = p_rows(0), q_rows[0], draft[0]
+        if rng.random() < min(1.0, p[d] / q[d]):
+            return 1, None
+        return 0, int(rng.choice(len(p), p=p))
+
+    counts, p = sampled_first_tokens(resample_from_p)
+    assert chi2_stat(counts, p) > 18.47
+
+
+def test_engine_sampling_two_tokens_follow_the_parent():
+    """Joint distribution of two generated tokens through the whole engine, against the exact parent."""
+    pl = {0: np.log([0.1, 0.5, 0.1, 0.2, 0.1]), 1: np.log([0.3, 0.1, 0.2, 0.2, 0.2])}
+    parent_fn = lambda toks: pl[0] if len(toks) == 1 else pl[1]  # noqa: E731
+    draft_fn = lambda toks: np.log([0.2] * 5)  # noqa: E731
+    from specquant_cli.decoding.drafters import ModelDrafter
+
+    model = FakeModel(5, eog=99)
+    counts = np.zeros((5, 5))
+    n = 6000
+    for seed in range(n):
+        sp = SamplingParams(temperature=1.0, seed=seed)
+        parent = FakeContext(model, parent_fn)
+        drafter = ModelDrafter(FakeContext(model, draft_fn), stop_ids=frozenset({99}))
+        eng = Engine(parent, drafter, FixedGamma(2), sp)
+        a, b = [e.token for e in eng.generate([0], 2)]
+        counts[a, b] += 1
+    exact = np.outer(np.exp(pl[0]), np.exp(pl[1])).ravel()
+    assert chi2_stat(counts.ravel(), exact) < 52.6  # 24 dof, p = 0.001
+
+
+def test_seeded_sampling_is_reproducible():
+    fn = lambda toks: np.log(np.full(V, 1 / V))  # noqa: E731
+    outs = []
+    for _ in range(2):
+        ctx = FakeContext(FakeModel(V, EOG), fn)
+        eng = Engine(ctx, NGramDrafter(), FixedGamma(3), SamplingParams(temperature=0.8, seed=42))
+        outs.append([e.token for e in eng.generate([1, 2, 3], 12)])
+    assert outs[0] == outs[1]
+
+
+def test_top_k_keeps_exactly_the_k_largest_renormalised():
+    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
+    got = probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    np.testing.assert_allclose(got, [0.0, 0.4 / 0.7, 0.0, 0.3 / 0.7], rtol=1e-12)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # mlx-lm's test_apply_top_p, transposed: sorted probs 0.5, 0.3, 0.15, 0.05
+    logits = np.log(np.array([0.15, 0.5, 0.05, 0.3]))
+    got = probs(logits, SamplingParams(temperature=1.0, top_p=0.75))
+    np.testing.assert_allclose(got, [0.0, 0.5 / 0.8, 0.0, 0.3 / 0.8], rtol=1e-9)
+    got = probs(logits, SamplingParams(temperature=1.0, top_p=0.85))
+    np.testing.assert_allclose(got, [0.15 / 0.95, 0.5 / 0.95, 0.0, 0.3 / 0.95], rtol=1e-9)
+    got = probs(logits, SamplingParams(temperature=1.0, top_p=0.3))
+    np.testing.assert_allclose(got, [0.0, 1.0, 0.0, 0.0])
+
+
+def test_top_p_after_top_k_is_taken_within_the_top_k_distribution():
+    logits = np.log(np.array([0.15, 0.5, 0.05, 0.3]))
+    # top-k 2 leaves 0.5/0.8 = 0.625 and 0.3/0.8 = 0.375; top-p 0.6 keeps only the first
+    got = probs(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.6))
+    np.testing.assert_allclose(got, [0.0, 1.0, 0.0, 0.0])
+    got = probs(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.7))
+    np.testing.assert_allclose(got, [0.0, 0.625, 0.0, 0.375], rtol=1e-9)
+
+
+def test_top_p_beyond_the_candidate_window_falls_back_to_a_full_sort():
+    from specquant_cli.decoding.sampling import TOP_P_CANDIDATES
+
+    n = TOP_P_CANDIDATES * 2
+    got = probs(np.zeros(n), SamplingParams(temperature=1.0, top_p=0.75))
+    assert (got > 0).sum() == int(np.ceil(0.75 * n)) and got.sum() == pytest.approx(1.0)
