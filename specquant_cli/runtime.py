@@ -31,6 +31,8 @@ class Runtime:
         self._ctx: dict[str, Context] = {}
         self._vocab: Optional[Model] = None
         self._drafters: dict[str, Drafter] = {}  # persistent drafters, kept across requests
+        self._calibration = None
+        self.auto_state = None  # the auto policy's session measurements (routing.auto.AutoState)
 
     @property
     def facts(self):
@@ -84,6 +86,48 @@ class Runtime:
             self._drafters[key] = d
         return d
 
+    # -- measured costs ---------------------------------------------------------------------------
+    def calibration(self, measure: bool = True):
+        """This machine's measured costs for the family (system.calibration): read from the family folder,
+        else measured now (with progress on stderr) and saved there; None when `measure` is False and
+        nothing is cached."""
+        if self._calibration is None:
+            from specquant_cli.system import calibration as cal
+
+            fp = cal.fingerprint(self.facts, self.threads)
+            self._calibration = cal.load(self.family.root, fp)
+            if self._calibration is None and measure:
+                self._calibration = self._measure(cal, fp)
+        return self._calibration
+
+    def _measure(self, cal, fp):
+        from specquant_cli.console import err
+
+        drafts = [r for r in ("q4", "q8") if r in self.family.roles()]
+        self.ensure([PARENT_ROLE, *drafts])
+        with err.status("calibrating this machine's costs (once per family and machine)") as status:
+            c = cal.measure(self.context, PARENT_ROLE, drafts,
+                            lambda what, i, n: status.update(f"calibrating: {what} ({i}/{n})"))
+        try:
+            cal.save(self.family.root, fp, c)
+        except OSError as e:
+            err.print(f"warning: calibration not saved ({e.strerror}): it is measured again next time", markup=False)
+        return c
+
+    def verify_cost(self):
+        from specquant_cli.decoding.gamma import verify_shape
+
+        c = self.calibration(measure=False)
+        return c.verify_cost if c else verify_shape
+
+    def model_gamma(self, role: str, g_init: int) -> AdaptiveGamma:
+        """Adaptive γ for `role`'s drafts, its cost estimates seeded with the calibration when there is one."""
+        c = self.calibration(measure=False)
+        prior = {n: s for n, s in c.parent_call_s.items()} if c else None
+        draft = c.draft_step_s.get(role) if c else None
+        return AdaptiveGamma(g_max=max(ADAPTIVE_G_MAX, self.gamma), g_init=g_init, verify_prior=prior,
+                             draft_prior=draft)
+
     def engine(self, plan: Plan, sp: SamplingParams) -> Engine:
         """An engine for `plan`: loads the plan's roles (placement-checked), builds its drafter and γ policy.
 
@@ -94,6 +138,10 @@ class Runtime:
         drafter = self.drafter(plan.draft, plan.target) if plan.draft else None
         if drafter is None:
             gamma = FixedGamma(0)
+        elif plan.gamma_cap:
+            gamma = FixedGamma(plan.gamma_cap)  # the drafter sizes its drafts itself, up to the cap
+        elif plan.adaptive_gamma and plan.policy == "auto":
+            gamma = self.model_gamma(plan.draft, self.gamma)
         elif plan.adaptive_gamma:
             gamma = AdaptiveGamma(g_max=max(ADAPTIVE_G_MAX, self.gamma), g_init=self.gamma)
         else:

@@ -9,7 +9,7 @@ from typing import Optional
 
 from specquant_cli.decoding.sampling import SamplingParams
 from specquant_cli.decoding.stream import Response, stream_generate
-from specquant_cli.routing.policies import Plan, check_policy, plan_for
+from specquant_cli.routing.policies import POLICIES, Plan, PlanContext, check_policy, plan_for
 from specquant_cli.routing.router import Route, Router
 from specquant_cli.runtime import Runtime
 
@@ -52,9 +52,24 @@ class ChatSession:
     def reset(self) -> None:
         self.history.clear()
 
-    def plan(self, text: str, policy: Optional[str] = None) -> tuple[Route, Plan]:
+    def plan(self, text: str, policy: Optional[str] = None, prompt: Optional[list[int]] = None,
+             measure: bool = True) -> tuple[Route, Plan]:
+        """Route `text` and plan it. A policy with a planner (auto) also sees the prompt's copy potential,
+        the machine's calibration (measured on first use unless `measure` is False) and the session's
+        measurements."""
         route = self.router.route(text)
-        return route, plan_for(policy or self.policy, route.tier)
+        name = policy or self.policy
+        ctx = None
+        if POLICIES[check_policy(name)].planner is not None:
+            from specquant_cli.routing.auto import AutoState, copy_potential
+
+            rt = self.runtime
+            if rt.auto_state is None:
+                rt.auto_state = AutoState()
+            tokens = prompt if prompt is not None else rt.tokenizer().tokenize(text, add_bos=False, special=False)
+            ctx = PlanContext(name, route.tier, copy_potential(tokens), tuple(rt.family.roles()),
+                              rt.calibration(measure=measure), rt.auto_state)
+        return route, plan_for(name, route.tier, ctx)
 
     def messages(self, text: str) -> list[dict]:
         sys_msg = [{"role": "system", "content": self.system}] if self.system else []
@@ -91,12 +106,12 @@ class ChatSession:
             route_text = raw_prompt if raw_prompt is not None else next(
                 (m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         t0 = time.perf_counter()
-        route, plan = self.plan(route_text, policy)
-        answer = Answer(route_text, route, plan, route_s=time.perf_counter() - t0)
-        engine = self.runtime.engine(plan, sampling or self.sampling)
-        model = engine.parent.model
+        model = self.runtime.tokenizer()
         prompt = model.tokenize(raw_prompt, add_bos=model.add_bos()) if raw_prompt is not None \
             else model.chat_prompt(messages)
+        route, plan = self.plan(route_text, policy, prompt)
+        answer = Answer(route_text, route, plan, route_s=time.perf_counter() - t0)
+        engine = self.runtime.engine(plan, sampling or self.sampling)
         limit = max_tokens or self.max_tokens
         stops = self.stop if stop is None else stop
 
@@ -108,5 +123,14 @@ class ChatSession:
                 yield rec
             answer.text = "".join(parts)
             self.last = answer
+            self._observe(answer)
 
         return answer, run()
+
+    def _observe(self, answer: Answer) -> None:
+        """Feed the auto policy the decode speedup the plan achieved (vs the calibrated parent step)."""
+        state, cal, rec = self.runtime.auto_state, self.runtime.calibration(measure=False), answer.last
+        if answer.plan.policy != "auto" or state is None or cal is None or rec is None or rec.new_tokens < 8:
+            return
+        name = answer.plan.draft or "parent"
+        state.observe(answer.route.tier, name, rec.decode_tokens_per_s * cal.parent_call_s[1])

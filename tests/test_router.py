@@ -94,7 +94,7 @@ def test_route_command_json(family_dir):
 
 
 def test_route_command_human_form_is_on_stderr(family_dir):
-    r = run_cli(["route", SHORT, "--family", str(family_dir)])
+    r = run_cli(["route", SHORT, "--family", str(family_dir), "--policy", "paper"])
     assert r.exit_code == 0 and r.stdout == "" and "route: low (score" in r.stderr
     assert "q4 drafts, f16 verifies" in r.stderr
 

@@ -29,6 +29,10 @@ def doctor(
         fam = load_family(family)
         report["family"] = {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance}
         report["placements"] = family_plans(facts, fam, n_ctx)
+        from specquant_cli.system import calibration as cal
+
+        c = cal.load(fam.root, cal.fingerprint(facts))
+        report["calibration"] = c.to_dict() if c else None
     if json_out:
         out_json(report)
         return
@@ -61,3 +65,12 @@ def _render(report: dict) -> None:
                       pl["reason"])
         err.print(p)
         err.print(f"provenance: {report['family']['provenance']}")
+        c = report.get("calibration")
+        if c:
+            calls = " · ".join(f"{n}: {s * 1000:.0f}" for n, s in c["parent_call_s"].items()
+                               if int(n) in (1, 2, 4, 8, 16))
+            steps = ", ".join(f"{r} {s * 1000:.0f}" for r, s in c["draft_step_s"].items())
+            err.print(f"calibration ({c['measured_at']}): parent call ms by tokens {calls}; draft step ms {steps}",
+                      markup=False)
+        else:
+            err.print("calibration: none for this machine yet (specquant calibrate, or the first auto answer)")

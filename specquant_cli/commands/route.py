@@ -23,20 +23,24 @@ def route(
     config: Optional[Path] = ConfigOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    from specquant_cli.routing.policies import check_policy, plan_for
+    from specquant_cli.routing.policies import check_policy
     from specquant_cli.routing.router import Router, load_config
     from specquant_cli.runtime import Runtime
+    from specquant_cli.session import ChatSession
 
     check_policy(policy)
     text = read_prompt(prompt)
     fam = load_family(family)
-    router = Router(load_config(config), Runtime(fam).count_tokens)
-    r = router.route(text)
-    plan = plan_for(policy, r.tier)
+    runtime = Runtime(fam)
+    router = Router(load_config(config), runtime.count_tokens)
+    session = ChatSession(runtime, router, policy)
+    # routing loads no model weights: the auto policy uses the cached calibration, or priors without one
+    r, plan = session.plan(text, measure=False)
+    calibrated = runtime.calibration(measure=False) is not None
     if json_out:
         out_json({"tier": r.tier, "score": r.score, "features": r.features, "contributions": r.contributions,
-                  "plan": plan.to_dict(), "thresholds": {"low_max": router.config.low_max,
-                                                         "medium_max": router.config.medium_max}})
+                  "plan": plan.to_dict(), "calibrated": calibrated,
+                  "thresholds": {"low_max": router.config.low_max, "medium_max": router.config.medium_max}})
         return
     t = Table(title=f"route: {r.tier} (score {r.score:.3f})")
     for col in ("feature", "value", "contribution"):
@@ -46,3 +50,8 @@ def route(
     err.print(t)
     err.print(f"thresholds: low < {router.config.low_max} <= medium < {router.config.medium_max} <= high")
     err.print(f"plan ({policy}): {plan.describe()}")
+    for c in plan.candidates:
+        err.print(f"  {c['plan']:10} predicted {c['predicted_speedup']:.2f}x ({c['source']}): {c['why']}", markup=False)
+    if plan.why:
+        err.print(f"why: {plan.why}" + ("" if calibrated else " (uncalibrated: run specquant calibrate)"),
+                  markup=False)

@@ -96,7 +96,7 @@ class ModelDrafter(DrafterBase):
         t1 = time.perf_counter()
         self.ctx.sync(seq[self.start:])
         t2 = time.perf_counter()
-        return Prepared(prefill_s=t2 - t1, import_s=t1 - t0 if imported is not None else 0.0, imported=imported)
+        return Prepared(prefill_s=t2 - t1, import_s=t1 - t0 if imported is not None else 0.0, imported=bool(imported))
 
     def _import(self, seq: Sequence[int]) -> Optional[bool]:
         """Import the parent's cache when that saves a real prefill; None when no import was tried."""
@@ -147,13 +147,19 @@ class FallbackDrafter(DrafterBase):
     The model drafter wakes up only once the answer is `activate_after` tokens long: without a KV import
     its prefill costs ~2/3 of the parent's per token on a CPU, more than short answers can win back."""
 
-    def __init__(self, first: DrafterBase, then: ModelDrafter, min_tokens: int = 2, activate_after: int = 32):
+    def __init__(self, first: DrafterBase, then: ModelDrafter, min_tokens: int = 2, activate_after: int = 32,
+                 model_gamma=None):
         self.first, self.then = first, then
         self.min_tokens = min_tokens
         self.activate_after = activate_after
+        # With `model_gamma` (a GammaPolicy), the model's drafts get their own length, learned from their own
+        # outcomes, while `n` (the plan's cap) bounds the draft-free ones: a copy run may be 32 tokens long,
+        # a model draft pays per token.
+        self.model_gamma = model_gamma
         self.name = f"{first.name}+{then.name}"
         self._prompt_len = 0
         self._active = False
+        self._last = "first"
 
     @property
     def n_ctx(self) -> Optional[int]:
@@ -167,12 +173,20 @@ class FallbackDrafter(DrafterBase):
 
     def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft:
         d = self.first.propose(seq, n, sp, rng)
+        self._last = "first"
         if len(d.tokens) >= min(self.min_tokens, n) or len(seq) - self._prompt_len < self.activate_after:
             return d
+        self._last = "model"
+        g = n if self.model_gamma is None else min(n, self.model_gamma.draft_length())
+        if g <= 0:
+            return Draft()
         if not self._active:
             self.then.prepare(seq)
             self._active = True
-        return self.then.propose(seq, n, sp, rng)
+        return self.then.propose(seq, g, sp, rng)
 
     def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
-        self.first.feedback(seq, outcome)
+        if self._last == "first":
+            self.first.feedback(seq, outcome)
+        elif self.model_gamma is not None:
+            self.model_gamma.update(outcome)

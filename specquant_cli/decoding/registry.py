@@ -24,6 +24,16 @@ class DraftHost(Protocol):
 
     def context(self, role: str) -> TokenContext: ...
 
+    def drafter(self, name: str, target: str) -> Drafter: ...
+
+    def verify_cost(self) -> Callable[[int], float]:
+        """A parent call on n tokens relative to one token (measured, or the prior shape)."""
+        ...
+
+    def model_gamma(self, role: str, g_init: int):
+        """An adaptive γ policy for `role`'s drafts, seeded with this machine's measured costs."""
+        ...
+
 
 @dataclass(frozen=True)
 class DrafterSpec:
@@ -53,14 +63,27 @@ def drafter_spec(name: str) -> DrafterSpec:
         raise InputError(f"unknown drafter {name!r}; known: {', '.join(DRAFTERS)}") from None
 
 
-def _model(role: str, window: Optional[int] = None):
+def _model(role: str, window: Optional[int] = None, kv_import: bool = True):
     def build(host: DraftHost, target: str) -> Drafter:
         from specquant_cli.decoding.drafters import ModelDrafter
 
-        parent = host.context(target) if host.kv_import else None
+        parent = host.context(target) if host.kv_import and kv_import else None
         return ModelDrafter(host.context(role), role, host.p_min, window=window, parent=parent)
 
     return build
+
+
+def _suffix(host: DraftHost, target: str) -> Drafter:
+    from specquant_cli.decoding.suffix import SuffixDrafter
+
+    return SuffixDrafter(verify_cost=host.verify_cost())
+
+
+def _suffix_then_q4(host: DraftHost, target: str) -> Drafter:
+    from specquant_cli.decoding.drafters import FallbackDrafter
+
+    return FallbackDrafter(host.drafter("suffix", target), _model("q4")(host, target), activate_after=0,
+                           model_gamma=host.model_gamma("q4", 4))
 
 
 def _ngram(host: DraftHost, target: str) -> Drafter:
@@ -77,9 +100,14 @@ def _ngram_then_q4(host: DraftHost, target: str) -> Drafter:
 
 for _spec in (
     DrafterSpec("ngram", (), _ngram, help="prompt-lookup n-gram drafts (no model call)"),
-    DrafterSpec("q4", ("q4",), _model("q4"), help="the q4 variant drafts"),
+    DrafterSpec("q4", ("q4",), _model("q4"), help="the q4 variant drafts (imports the parent's KV cache)"),
+    DrafterSpec("q4-prefill", ("q4",), _model("q4", kv_import=False), help="the q4 variant drafts, own prefill"),
     DrafterSpec("q8", ("q8",), _model("q8"), help="the q8 variant drafts"),
     DrafterSpec("ngram+q4", ("q4",), _ngram_then_q4,
                 help="n-gram drafts when the context offers them, q4 drafts after 32 tokens otherwise"),
+    DrafterSpec("suffix", (), _suffix, persistent=True,
+                help="suffix-match drafts over everything the session has seen (no model call)"),
+    DrafterSpec("suffix+q4", ("q4",), _suffix_then_q4,
+                help="suffix drafts on copy runs, q4 drafts (own adaptive length) elsewhere"),
 ):
     register_drafter(_spec)

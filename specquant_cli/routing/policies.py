@@ -5,7 +5,8 @@ bench's default set, each plan's roles and the README's policy table are derived
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from specquant_cli.decoding.registry import drafter_spec
@@ -28,6 +29,9 @@ class PolicySpec:
     adaptive_gamma: bool = False
     lossy: bool = False
     in_bench: bool = True
+    gamma_cap: Optional[int] = None  # draft-free drafters size their own drafts up to this
+    planner: Optional[Callable[[PlanContext], Plan]] = None  # decides per prompt (auto)
+    roles: tuple[str, ...] = ()  # roles a planner may pick (loaded up front by the bench)
 
     def drafter_for(self, tier: Optional[Tier]) -> Optional[str]:
         if self.by_tier is not None:
@@ -37,11 +41,38 @@ class PolicySpec:
     @property
     def routed(self) -> bool:
         """Whether the plan depends on the prompt's route (so the routing time is part of its cost)."""
-        return self.by_tier is not None
+        return self.by_tier is not None or self.planner is not None
 
 
 POLICIES: dict[str, PolicySpec] = {}
-DEFAULT_POLICY = "paper"
+DEFAULT_POLICY = "auto"
+
+
+@dataclass
+class PlanContext:
+    """What a planner sees of one prompt: its route, copy potential, the family's roles, this machine's
+    measured costs (None: uncalibrated) and what the session has measured so far."""
+
+    policy: str
+    tier: Optional[Tier]
+    copy: float = 0.0
+    roles: tuple[str, ...] = ()
+    calibration: object = None
+    state: object = None
+
+
+def _auto(ctx: PlanContext) -> Plan:
+    from specquant_cli.routing import auto
+
+    cands = auto.candidates(ctx.tier or "high", ctx.copy, ctx.roles, ctx.calibration, ctx.state)
+    best = auto.choose(cands)
+    why = f"{best.name} predicted {best.predicted:.2f}x ({best.source}): {best.why}"
+    if best.drafter is None:
+        why = "no candidate predicted above 1.0x: " + why
+    return Plan(ctx.policy, ctx.tier, PARENT_ROLE, best.drafter, adaptive_gamma=best.drafter in ("q4", "q8"),
+                gamma_cap=32 if best.drafter and best.drafter.startswith("suffix") else None,
+                candidates=tuple({"plan": c.name, "predicted_speedup": round(c.predicted, 3), "gamma": c.gamma,
+                                  "why": c.why, "source": c.source} for c in cands), why=why)
 
 
 def register_policy(spec: PolicySpec) -> PolicySpec:
@@ -52,12 +83,20 @@ def register_policy(spec: PolicySpec) -> PolicySpec:
 
 
 for _spec in (
+    PolicySpec("auto", "per prompt, the plan with the best predicted speedup from this machine's measured "
+               "costs, the route and the prompt's copy potential (parent, `suffix`, `q4`, `suffix+q4`, …); "
+               "never one predicted below 1.0x", planner=_auto, roles=("q4",)),
     PolicySpec("paper", "low → `q4` drafts, F16 verifies; medium → `q8` drafts, F16 verifies; high → F16 alone",
                by_tier={"low": "q4", "medium": "q8", "high": None}),
     PolicySpec("parent", "F16 alone"),
     PolicySpec("spec-q4", "`q4` drafts, F16 verifies", drafter="q4"),
     PolicySpec("spec-q8", "`q8` drafts, F16 verifies", drafter="q8"),
+    PolicySpec("spec-q4-prefill", "`q4` drafts after its own prompt prefill (no KV import), F16 verifies",
+               drafter="q4-prefill", in_bench=False),
     PolicySpec("ngram", "prompt-lookup n-gram drafts (no model call), F16 verifies", drafter="ngram"),
+    PolicySpec("suffix", "suffix-match drafts over the prompt, the answer and the session's earlier turns (no "
+               "model call), draft length from match length and measured costs, F16 verifies", drafter="suffix",
+               gamma_cap=32),
     PolicySpec("adaptive", "n-gram drafts (matches of 3+ tokens) when the context offers them; after 32 "
                "generated tokens `q4` drafts otherwise; draft length adapted to measured costs and acceptance",
                drafter="ngram+q4", adaptive_gamma=True),
@@ -79,6 +118,9 @@ class Plan:
     draft: Optional[str]
     adaptive_gamma: bool = False
     lossy: bool = False
+    gamma_cap: Optional[int] = None
+    candidates: tuple = field(default=(), compare=False)  # a planner's predictions, best first
+    why: str = ""
 
     @property
     def roles(self) -> list[str]:
@@ -112,14 +154,18 @@ def check_policy(name: str) -> str:
     return name
 
 
-def plan_for(policy: str, tier: Optional[Tier]) -> Plan:
+def plan_for(policy: str, tier: Optional[Tier], context: Optional[PlanContext] = None) -> Plan:
+    """The plan `policy` runs for a prompt of `tier`; a policy with a planner needs the `context`."""
     spec = POLICIES[check_policy(policy)]
-    return Plan(policy, tier, spec.target, spec.drafter_for(tier), spec.adaptive_gamma, spec.lossy)
+    if spec.planner is not None:
+        return spec.planner(context or PlanContext(policy, tier))
+    return Plan(policy, tier, spec.target, spec.drafter_for(tier), spec.adaptive_gamma, spec.lossy, spec.gamma_cap)
 
 
 def all_roles(policies: list[str]) -> list[str]:
     """Every role any of `policies` may load, over every tier."""
-    return sorted({r for p in policies for t in TIERS for r in plan_for(p, t).roles})
+    out = {r for p in policies for t in TIERS for r in plan_for(p, t).roles}
+    return sorted(out | {r for p in policies for r in POLICIES[p].roles} | {PARENT_ROLE})
 
 
 def markdown_table() -> str:

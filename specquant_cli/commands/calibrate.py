@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specquant_cli.commands.options import CtxOpt, FamilyOpt, JsonOpt, load_family
+from specquant_cli.console import err, out_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command("calibrate", help="Measure this machine's call costs for a family (the auto policy's cost model); "
+                                  "cached in the family folder.")(calibrate)
+
+
+def calibrate(
+    family: Optional[Path] = FamilyOpt,
+    n_ctx: int = CtxOpt,
+    force: bool = typer.Option(False, "--force", help="Measure again even when this machine's costs are cached"),
+    json_out: bool = JsonOpt,
+) -> None:
+    from specquant_cli.runtime import Runtime
+    from specquant_cli.system import calibration as cal
+
+    fam = load_family(family)
+    runtime = Runtime(fam, n_ctx=n_ctx)
+    try:
+        fp = cal.fingerprint(runtime.facts, runtime.threads)
+        c = None if force else cal.load(fam.root, fp)
+        if c is None:
+            c = runtime._measure(cal, fp)
+    finally:
+        runtime.close()
+    if json_out:
+        out_json(c.to_dict())
+        return
+    calls = " · ".join(f"{n}: {s * 1000:.1f}" for n, s in sorted(c.parent_call_s.items()) if n in (1, 2, 4, 8, 16))
+    err.print(f"{fam.name} on this machine (measured {c.measured_at}):", markup=False)
+    err.print(f"  parent call, ms by tokens   {calls}", markup=False)
+    for role, s in c.draft_step_s.items():
+        err.print(f"  {role} step                    {s * 1000:.1f} ms ({c.draft_ratio(role):.2f}x a parent step)",
+                  markup=False)
+    for role, s in c.prefill_token_s.items():
+        err.print(f"  {role} prefill per token       {s * 1000:.2f} ms", markup=False)

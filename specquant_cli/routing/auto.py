@@ -1,0 +1,107 @@
+"""The `auto` policy: per prompt, predict each candidate plan's decode-phase speedup over the parent from
+this machine's measured costs (system.calibration), the prompt's route and its copy potential, and run
+the best one; never a plan predicted below 1.0x (the parent alone is the floor).
+
+Predictions start from priors and follow what the session measures: after each answer the measured
+speedup of the plan that ran updates that plan's estimate for the tier. Within an answer, the model
+drafter's adaptive draft length drops to 0 (parent steps, with an occasional probe) when acceptance
+drifts down, which is the re-plan at cycle grain."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from specquant_cli.decoding.gamma import expected_tokens, verify_shape
+
+# Per-token acceptance prior of a q4 draft with the parent's own KV cache (Spec-Bench on the 1.5B
+# family: 89 %; lower on a true F16 base, see the provenance caveat), and of q8.
+ALPHA_PRIOR = {"q4": 0.85, "q8": 0.95}
+DRAFT_RATIO_PRIOR = {"q4": 0.4, "q8": 0.7}  # a draft step relative to a one-token parent call (CPU)
+COPY_GAIN = 2.0  # decode speedup of draft-free drafts on text that is all copy runs (prior)
+LEARN_RATE = 0.3  # weight of one measured answer in the session's estimate
+MAX_GAMMA = 8
+
+
+def copy_potential(tokens: Sequence[int], n: int = 3) -> float:
+    """Share of the prompt's positions whose preceding n-gram occurred earlier in the prompt: how much of
+    the context an n-gram index can match. Long, repetitive contexts (code, documents) score high."""
+    if len(tokens) <= n + 1:
+        return 0.0
+    arr = np.asarray(tokens, dtype=np.int64)
+    seen, hits = set(), 0
+    for i in range(n, len(arr)):
+        g = arr[i - n:i].tobytes()
+        hits += g in seen
+        seen.add(g)
+    rep = hits / (len(arr) - n)
+    length = min(1.0, len(arr) / 1000)  # a long context is often quoted back (summaries, RAG, edits)
+    return round(min(1.0, 0.5 * rep + 0.5 * length), 4)
+
+
+@dataclass
+class Candidate:
+    name: str  # the drafter ("parent" for none)
+    drafter: Optional[str]
+    predicted: float  # decode-phase speedup over the parent
+    gamma: int
+    why: str
+    source: str = "prior"  # prior | session (measured this session)
+
+
+@dataclass
+class AutoState:
+    """What the session has measured: decode speedup per (tier, drafter)."""
+
+    measured: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def observe(self, tier: str, drafter: str, speedup: float) -> None:
+        old = self.measured.get((tier, drafter))
+        self.measured[(tier, drafter)] = speedup if old is None else (1 - LEARN_RATE) * old + LEARN_RATE * speedup
+
+
+def _model_speedup(alpha: float, draft_ratio: float, verify_cost) -> tuple[float, int]:
+    best, best_g = 1.0, 0
+    for g in range(1, MAX_GAMMA + 1):
+        s = expected_tokens(alpha, g) / (g * draft_ratio + verify_cost(g + 1))
+        if s > best * 1.01:
+            best, best_g = s, g
+    return best, best_g
+
+
+def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
+               state: Optional[AutoState] = None) -> list[Candidate]:
+    """Every plan's predicted decode speedup, best first."""
+    vc = calibration.verify_cost if calibration else verify_shape
+    out = [Candidate("parent", None, 1.0, 0, "the floor: F16 alone")]
+    suffix = 1.0 + (COPY_GAIN - 1.0) * copy
+    out.append(Candidate("suffix", "suffix", suffix, 32, f"draft-free: copy potential {copy:.2f}"))
+    for role in ("q4", "q8"):
+        if role not in roles:
+            continue
+        ratio = (calibration.draft_ratio(role) if calibration else None) or DRAFT_RATIO_PRIOR[role]
+        s, g = _model_speedup(ALPHA_PRIOR[role], ratio, vc)
+        out.append(Candidate(role, role, s, g, f"{role} step {ratio:.2f}x a parent step, acceptance prior "
+                                               f"{ALPHA_PRIOR[role]:.0%}, best draft length {g}"))
+        if role == "q4":
+            # free drafts cover the copy share of the answer, q4 drafts the rest (harmonic mix of rates)
+            share = 0.5 * copy
+            mix = 1.0 / (share / COPY_GAIN + (1 - share) / s) if s > 1.0 else suffix
+            out.append(Candidate("suffix+q4", "suffix+q4", mix, g, "suffix drafts on copy runs, q4 elsewhere"))
+    if state:
+        for c in out:
+            m = state.measured.get((tier, c.name))
+            if m is not None and c.drafter:
+                c.predicted, c.source = m, "session"
+    return sorted(out, key=lambda c: -c.predicted)
+
+
+def choose(cands: list[Candidate]) -> Candidate:
+    """The best candidate; the parent when nothing is predicted to beat it."""
+    best = cands[0]
+    if best.predicted < 1.0 or best.drafter is None:
+        return next(c for c in cands if c.drafter is None)
+    return best

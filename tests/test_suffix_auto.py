@@ -1,0 +1,113 @@
+"""The suffix drafter (draft-free, cross-request memory) and the auto policy's choice."""
+
+import json
+
+import pytest
+
+from specquant_cli.decoding.protocols import CycleOutcome
+from specquant_cli.decoding.suffix import SuffixDrafter
+from specquant_cli.routing import auto
+from specquant_cli.system.calibration import Calibration
+
+from conftest import run_cli
+
+CODE = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+
+
+def flat_cost(n):  # a parent call costs the same for any size: long drafts are free to verify
+    return 1.0
+
+
+def test_suffix_proposes_the_continuation_of_the_longest_match():
+    d = SuffixDrafter(verify_cost=flat_cost)
+    seq = CODE + [99] + CODE[:4]
+    d.prepare(seq)
+    got = d.propose(seq, 16).tokens
+    assert len(got) >= 4 and got == CODE[4:4 + len(got)]
+    assert d.propose([1, 2, 3], 8).tokens == []  # nothing seen: no draft
+
+
+def test_suffix_remembers_earlier_requests():
+    d = SuffixDrafter(verify_cost=flat_cost)
+    d.prepare([5] + CODE)  # an earlier request (prompt + answer)
+    new = [7, 7] + CODE[:5]
+    d.prepare(new)
+    got = d.propose(new, 16).tokens
+    assert len(got) >= 4 and got == CODE[5:5 + len(got)]
+
+
+def test_suffix_follows_the_majority_continuation():
+    d = SuffixDrafter(verify_cost=flat_cost)
+    seq = [1, 2, 3, 4, 50, 0, 1, 2, 3, 4, 60, 0, 1, 2, 3, 4, 60, 0, 1, 2, 3, 4]
+    d.prepare(seq)
+    assert d.propose(seq, 1).tokens == [60]
+
+
+def test_suffix_draft_length_follows_cost_and_measured_acceptance():
+    expensive = lambda n: 1.0 + 0.5 * (n - 1)  # noqa: E731  each verified token costs half a step
+    d = SuffixDrafter(verify_cost=expensive)
+    seq = CODE + [99] + CODE[:3]
+    d.prepare(seq)
+    first = len(d.propose(seq, 32).tokens)
+    for _ in range(20):  # every draft of this match length rejected at once
+        d.propose(seq, 32)
+        d.feedback(seq, CycleOutcome(max(first, 1), 0, 0, 0.0, 0.1, first + 1))
+    assert len(d.propose(seq, 32).tokens) < max(first, 1)
+
+
+def test_suffix_long_match_gets_a_long_draft():
+    d = SuffixDrafter(verify_cost=flat_cost)
+    long = list(range(100, 160))
+    seq = long + [1] + long[:20]
+    d.prepare(seq)
+    assert len(d.propose(seq, 32).tokens) >= 24  # (the tie margin prefers a slightly shorter draft)
+
+
+def cal(step_ratio, calls=None):
+    calls = calls or {n: 0.1 * (1 + 0.1 * (n - 1)) for n in range(1, 17)}
+    return Calibration(calls, {"q4": 0.1 * step_ratio, "q8": 0.1 * step_ratio}, {})
+
+
+def test_auto_never_picks_a_plan_predicted_below_the_parent():
+    cands = auto.candidates("medium", 0.0, ("f16", "q4", "q8"), cal(step_ratio=2.0))
+    best = auto.choose(cands)
+    assert best.drafter is None and all(c.predicted <= 1.0 for c in cands if c.drafter)
+
+
+def test_auto_picks_a_cheap_accurate_draft():
+    best = auto.choose(auto.candidates("medium", 0.0, ("f16", "q4", "q8"), cal(step_ratio=0.2)))
+    assert best.drafter in ("q4", "q8", "suffix+q4") and best.predicted > 1.0
+
+
+def test_auto_follows_what_the_session_measured():
+    state = auto.AutoState()
+    for _ in range(10):
+        state.observe("medium", "q4", 0.7)
+        state.observe("medium", "suffix+q4", 0.7)
+        state.observe("medium", "q8", 0.7)
+    cands = auto.candidates("medium", 0.0, ("f16", "q4", "q8"), cal(step_ratio=0.2), state)
+    assert auto.choose(cands).drafter in (None, "suffix")  # measured slow drafts lose to their priors
+
+
+def test_copy_potential_is_higher_for_repetitive_long_context():
+    assert auto.copy_potential(list(range(50))) < auto.copy_potential(CODE * 40)
+
+
+def test_route_json_shows_every_candidate_and_why(family_dir):
+    r = run_cli(["route", "--json", "--family", str(family_dir), "Summarize: " + "the cat sat on the mat. " * 40])
+    assert r.exit_code == 0, r.stderr
+    plan = json.loads(r.stdout)["plan"]
+    names = [c["plan"] for c in plan["candidates"]]
+    assert "parent" in names and "suffix" in names and plan["why"]
+    preds = [c["predicted_speedup"] for c in plan["candidates"]]
+    assert preds == sorted(preds, reverse=True)
+
+
+@pytest.mark.parametrize("policy", ["auto", "suffix"])
+def test_auto_and_suffix_are_lossless(family_dir, policy):
+    args = ["chat", "--family", str(family_dir), "--max-tokens", "32", "--json",
+            "Repeat this list exactly: apple, banana, cherry, apple, banana, cherry."]
+    parent = json.loads(run_cli(args + ["--policy", "parent"]).stdout)
+    r = run_cli(args + ["--policy", policy])
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["text"] == parent["text"]
