@@ -65,9 +65,9 @@ def _root(_: bool = typer.Option(False, "--version", callback=_version, is_eager
 
 
 def _register() -> None:
-    from specquant_cli.commands import bench, chat, doctor, pull, quantize, route
+    from specquant_cli.commands import bench, calibrate, chat, doctor, pull, quantize, route, serve
 
-    for mod in (pull, quantize, doctor, route, chat, bench):
+    for mod in (pull, quantize, doctor, route, calibrate, chat, bench, serve):
         mod.register(app)
 
 

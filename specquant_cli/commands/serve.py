@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, PolicyOpt, load_family
+
+API_KEY_ENV = "SPECQUANT_API_KEY"
+
+HELP = ("Serve a family over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models, "
+        "/health.\n\n"
+        "One engine: requests are generated one at a time from a bounded queue (a full queue answers 429). The "
+        "policy per request comes from the body's specquant_policy or the x-specquant-policy header, else --policy. "
+        "Binds to 127.0.0.1 unless --host says otherwise; with --api-key (or $SPECQUANT_API_KEY) every request "
+        "needs Authorization: Bearer KEY. One log line per request on stderr; SIGINT/SIGTERM stop cleanly.")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve", help=HELP)(serve)
+
+
+def serve(
+    family: Optional[Path] = FamilyOpt,
+    policy: str = PolicyOpt,
+    policies: Optional[str] = typer.Option(
+        None, "--policies", help="Comma-separated policies a request may choose (default: all); every model "
+                                 "they can use is loaded at start-up"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (0.0.0.0: every interface)"),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port (0: any free port, printed at start)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True,
+                                          help="Require Authorization: Bearer KEY on every request"),
+    queue: int = typer.Option(32, "--queue", min=0, help="Requests that may wait behind the running one"),
+    max_tokens: int = typer.Option(512, "--max-tokens", min=1,
+                                   help="New tokens for a request that sets no max_tokens"),
+    max_body: int = typer.Option(1 << 20, "--max-body", min=1024, help="Largest request body in bytes (413 above)"),
+    gamma: int = typer.Option(4, "--gamma", min=1, max=16, help="Draft length (initial, for adaptive)"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="llama.cpp threads (default: all cores)"),
+    n_ctx: int = CtxOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    from specquant_cli.serving.server import ServeOptions, build_service, run
+
+    offered = [p.strip() for p in policies.split(",") if p.strip()] if policies else []
+    opts = ServeOptions(policy=policy, policies=offered, host=host, port=port, api_key=api_key or None,
+                        max_queue=queue, max_tokens=max_tokens, max_body=max_body)
+    svc = build_service(load_family(family), opts, n_ctx=n_ctx, gamma=gamma, threads=threads, router_config=config)
+    run(svc, opts)

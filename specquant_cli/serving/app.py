@@ -1,0 +1,306 @@
+"""The HTTP front end: FastAPI routes in OpenAI's shape, wrapped by a small ASGI guard.
+
+The guard (outermost) checks the API key, logs one line per request on stderr and turns any escaped
+exception into a bare 500; the routes read the body themselves (size cap, JSON), validate it through
+`schemas`, queue a `worker.Job` and answer with one JSON object or an SSE stream."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specquant_cli.serving.schemas import (
+    ApiError,
+    ChunkMaker,
+    chat_params,
+    chat_response,
+    completion_params,
+    completion_response,
+    error_body,
+    new_id,
+    now,
+)
+from specquant_cli.serving.worker import Job, disconnected
+
+if TYPE_CHECKING:
+    from specquant_cli.serving.server import Service
+
+POLICY_HEADER = "x-specquant-policy"
+DRAIN_FACTOR = 4  # an oversized body is read (and dropped) up to this many caps, so the client sees the 413
+STATE_KEY = "specquant"  # per-request notes for the log line, in the ASGI scope's state
+
+
+def create_app(svc: Service):
+    """The ASGI application to serve: the FastAPI routes inside the guard."""
+    app = FastAPI(title="specquant", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        _notes(request)["error"] = e.message
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        msg = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(error_body(msg, code=code), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return JSONResponse(error_body("invalid request", code="invalid_value"), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        stopping = svc.worker.stopping
+        body = {"status": "shutting_down" if stopping else "ok", "family": svc.family.name,
+                "policy": svc.default_policy, **svc.worker.status()}
+        return JSONResponse(body, status_code=503 if stopping else 200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [svc.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != svc.family.name:
+            raise ApiError(404, f"model {model_id!r} not found; this server serves {svc.family.name!r}",
+                           param="model", code="model_not_found")
+        return svc.model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(svc, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(svc, request, chat=False)
+
+    return Guard(app, svc.api_key)
+
+
+# -- generation -----------------------------------------------------------------------------------
+
+async def _generate(svc: Service, request: Request, chat: bool):
+    body = await read_json(request, svc.max_body)
+    header_policy = request.headers.get(POLICY_HEADER)
+
+    def resolve(p: Optional[str]) -> str:
+        return svc.policy_for(p or header_policy, "specquant_policy" if p else POLICY_HEADER)
+
+    params = (chat_params if chat else completion_params)(body, resolve)
+    job = Job(params, asyncio.get_running_loop())
+    svc.worker.submit(job)
+    notes = _notes(request)
+    notes["end"] = lambda: svc.worker.cancel(job, disconnected())  # the guard's catch-all, once answered
+
+    watcher = asyncio.create_task(_watch_disconnect(request, svc, job))
+    try:
+        answer, kind, payload = await _first(job)
+        if kind == "error":
+            raise payload
+        if params.stream:
+            watcher.cancel()  # from here Starlette's own listener cancels the stream on a disconnect
+            maker = ChunkMaker(chat, svc.family.name, params.include_usage)
+            return StreamingResponse(_sse(svc, job, maker, answer, payload, notes), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        parts = []
+        while True:
+            if kind == "error":
+                raise payload
+            rec = payload
+            parts.append(rec.text)
+            notes["gen"] = (answer, rec)
+            if rec.finish_reason is not None:
+                break
+            kind, payload = await job.get()
+        build = chat_response if chat else completion_response
+        return JSONResponse(build(new_id("chatcmpl" if chat else "cmpl"), now(), svc.family.name, "".join(parts),
+                                  answer, rec))
+    finally:
+        watcher.cancel()
+
+
+async def _first(job: Job):
+    """(answer, kind, payload) of the first record or error; the answer is None before routing is done."""
+    answer = None
+    while True:
+        kind, payload = await job.get()
+        if kind == "start":
+            answer = payload
+            continue
+        return answer, kind, payload
+
+
+async def _watch_disconnect(request: Request, svc: Service, job: Job) -> None:
+    """While a request waits or collects its answer, a client that leaves cancels its job."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            svc.worker.cancel(job, disconnected())
+            return
+
+
+async def _sse(svc: Service, job: Job, maker: ChunkMaker, answer, first, notes: dict) -> AsyncIterator[str]:
+    ended = False
+    try:
+        opening = maker.first()
+        if opening is not None:
+            yield _event(opening)
+        kind, payload = "record", first
+        while True:
+            if kind == "error":  # e.g. SIGTERM: end the stream with an error event in OpenAI's shape
+                notes["error"] = payload.message
+                yield _event(payload.body())
+                ended = True
+                return
+            rec = payload
+            notes["gen"] = (answer, rec)
+            if rec.text:
+                yield _event(maker.text(rec.text))
+            if rec.finish_reason is not None:
+                yield _event(maker.finish(answer, rec))
+                if maker.include_usage:
+                    yield _event(maker.usage(rec))
+                yield "data: [DONE]\n\n"
+                ended = True
+                return
+            kind, payload = await job.get()
+    finally:
+        if not ended:  # the client went away (Starlette cancelled us): stop generating for nobody
+            svc.worker.cancel(job, disconnected())
+
+
+def _event(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# -- body -----------------------------------------------------------------------------------------
+
+async def read_json(request: Request, cap: int) -> Any:
+    """The body parsed as JSON: 413 past `cap` bytes (declared or actual), 400 when it does not parse."""
+    too_big = ApiError(413, f"request body larger than {cap} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > DRAIN_FACTOR * cap:
+        raise too_big  # not worth reading: the connection closes after the answer
+    size, parts, over = 0, [], declared.isdigit() and int(declared) > cap
+    async for chunk in request.stream():
+        size += len(chunk)
+        over = over or size > cap
+        if over:
+            if size > DRAIN_FACTOR * cap:
+                break
+            continue  # drain, so the client reads the 413 instead of a reset
+        parts.append(chunk)
+    if over:
+        raise too_big
+    try:
+        return json.loads(b"".join(parts))
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        raise ApiError(400, "could not parse the request body as JSON", code="invalid_json") from None
+
+
+def _notes(request: Request) -> dict:
+    return request.scope.setdefault("state", {}).setdefault(STATE_KEY, {})
+
+
+# -- the guard ----------------------------------------------------------------------------------------
+
+class Guard:
+    """Outermost ASGI layer: Bearer auth (constant-time), one stderr log line per request, no tracebacks out."""
+
+    def __init__(self, app, api_key: Optional[str], log: Optional[Callable[[str], None]] = None):
+        self.app = app
+        self._key = api_key.encode() if api_key else None
+        self._log = log or _stderr
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        state = {"status": 0, "complete": False}
+        notes = scope.setdefault("state", {}).setdefault(STATE_KEY, {})
+
+        async def send_(message):
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["complete"] = True
+            await send(message)
+
+        try:
+            denied = self._denied(scope)
+            if denied is not None:
+                notes["error"] = denied
+                await _send_json(send_, 401, error_body(denied, code="invalid_api_key"),
+                                 {"www-authenticate": "Bearer"})
+            else:
+                await self.app(scope, receive, send_)
+        except Exception as e:  # Starlette already answered 500 (or the stream broke): log one line
+            if _debug():
+                raise
+            notes["error"] = f"internal error: {type(e).__name__}"
+            if not state["status"]:
+                await _send_json(send_, 500, error_body("internal error", type="server_error", code="internal_error"))
+        finally:
+            end = notes.pop("end", None)
+            if end is not None:
+                end()
+            self._log(_log_line(scope, state, notes, time.perf_counter() - t0))
+
+    def _denied(self, scope) -> Optional[str]:
+        if self._key is None:
+            return None
+        auth = next((v for k, v in scope.get("headers", []) if k == b"authorization"), None)
+        if auth is None:
+            return "missing API key: send the header Authorization: Bearer <key>"
+        scheme, _, token = auth.partition(b" ")
+        # compare_digest on bytes of any length: the time does not depend on how much of the key matches
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+            return "invalid API key"
+        return None
+
+
+async def _send_json(send, status: int, body: dict, headers: Optional[dict] = None) -> None:
+    data = json.dumps(body).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+def _log_line(scope, state: dict, notes: dict, seconds: float) -> str:
+    client = scope.get("client") or ("-", 0)
+    parts = [client[0], scope.get("method", "-"), scope.get("path", "-"), str(state["status"] or "-")]
+    gen = notes.get("gen")
+    if gen is not None:
+        answer, rec = gen
+        parts += [f"{rec.new_tokens} tokens", f"{rec.tokens_per_s:.1f} tok/s",
+                  f"acceptance {rec.acceptance_rate:.0%}", f"{rec.mean_accepted_length:.2f} tok/call"]
+        if answer is not None:
+            parts.append(f"[{answer.route.tier} {answer.route.score:.2f} → {answer.plan.describe()}]")
+    parts.append(f"{seconds:.2f}s")
+    if state["status"] and not state["complete"]:
+        parts.append("(client disconnected)")
+    if notes.get("error"):
+        parts.append(f"({notes['error']})")
+    return " ".join(parts)
+
+
+def _stderr(line: str) -> None:
+    sys.stderr.write(" ".join(line.split("\n")) + "\n")
+    sys.stderr.flush()
+
+
+def _debug() -> bool:
+    return os.environ.get("SPECQUANT_DEBUG", "") not in ("", "0")

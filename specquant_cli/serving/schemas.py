@@ -1,0 +1,336 @@
+"""The OpenAI wire format: request models with the refusals named, and the response/chunk builders.
+
+Requests are validated here into `GenerationParams`, the only thing the worker sees. What specquant cannot
+honour (n > 1, tools, images, logprobs, penalties, ...) is refused with a 400 naming the field rather than
+silently ignored; fields that change nothing about the output (user, metadata, store, ...) are accepted."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specquant_cli.decoding.sampling import SamplingParams
+
+MAX_STOP = 4  # OpenAI's limit on stop strings
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape. The message is for the client: never a key or a traceback."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# -- requests -----------------------------------------------------------------------------------------
+
+class _Lenient(BaseModel):
+    """Unknown fields are accepted and ignored (clients send user, metadata, store, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Lenient):
+    include_usage: Optional[bool] = False
+
+
+class Message(_Lenient):
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class _Common(_Lenient):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, ge=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)  # not OpenAI's; llama.cpp's servers accept it too
+    seed: Optional[int] = Field(None, ge=0)
+    stop: Union[str, list[str], None] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = Field(None, ge=1)
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, Any]] = None
+    specquant_policy: Optional[str] = None
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+@dataclass
+class GenerationParams:
+    """One validated request, as the worker runs it. Exactly one of `messages` and `prompt` is set."""
+
+    policy: str
+    sampling: SamplingParams
+    max_tokens: Optional[int]  # None: the server's default, clamped to what the context has left
+    stop: list[str] = field(default_factory=list)
+    messages: Optional[list[dict]] = None
+    prompt: Optional[str] = None
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _validate(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = _param(err.get("loc", ()))
+        raise ApiError(400, f"invalid value for {param or 'the body'}: {err.get('msg', 'invalid')}", param=param,
+                       code="invalid_value") from None
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _param(loc) -> Optional[str]:
+    """A pydantic error location as OpenAI names a parameter: messages[0].content."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part.lower() in _TYPE_NAMES:
+            continue  # the member of a union that failed (list[str], str, ...), not a field
+        else:
+            out += ("." if out else "") + part
+    return out or None
+
+
+def _unsupported(param: str, why: str = "") -> ApiError:
+    return ApiError(400, f"'{param}' is not supported by specquant serve{': ' + why if why else ''}", param=param,
+                    code="unsupported_parameter")
+
+
+def _refuse_common(req: _Common) -> None:
+    if req.n not in (None, 1):
+        raise _unsupported("n", "one choice per request (n=1)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise _unsupported(name, "penalties would change the parent's distribution")
+    if req.logit_bias:
+        raise _unsupported("logit_bias")
+
+
+def _stops(stop: Union[str, list[str], None]) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"at most {MAX_STOP} stop sequences", param="stop", code="invalid_value")
+    return [s for s in stops if s]
+
+
+def _sampling(req: _Common) -> SamplingParams:
+    # OpenAI's defaults: temperature 1, top_p 1 (send temperature 0 for greedy, the parent's exact output).
+    return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature, top_k=req.top_k or 0,
+                          top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
+
+
+def _text_content(content, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            raise _unsupported(f"messages[{i}].content[{j}]", f"content parts of type {kind!r} (text only)")
+    return "\n".join(texts)
+
+
+def _messages(msgs: list[Message]) -> list[dict]:
+    out = []
+    for i, m in enumerate(msgs):
+        role = "system" if m.role == "developer" else m.role
+        if role not in ("system", "user", "assistant"):
+            raise _unsupported(f"messages[{i}].role", f"role {m.role!r} (system, developer, user, assistant)")
+        extra = m.model_extra or {}
+        for name in ("tool_calls", "function_call"):
+            if extra.get(name):
+                raise _unsupported(f"messages[{i}].{name}")
+        out.append({"role": role, "content": _text_content(m.content, i)})
+    if not any(m["role"] == "user" for m in out):
+        raise ApiError(400, "messages must contain at least one user message", param="messages",
+                       code="invalid_value")
+    return out
+
+
+def chat_params(body: Any, resolve_policy: Callable[[Optional[str]], str]) -> GenerationParams:
+    """Validate a /v1/chat/completions body. `resolve_policy` maps the body's `specquant_policy` (or None) to
+    the policy to run, raising ApiError for one the server does not offer."""
+    req: ChatRequest = _validate(ChatRequest, body)
+    _refuse_common(req)
+    for name in ("tools", "functions"):
+        if getattr(req, name):
+            raise _unsupported(name, "tool calling")
+    for name in ("tool_choice", "function_call"):
+        if getattr(req, name) not in (None, "none"):
+            raise _unsupported(name, "tool calling")
+    if req.logprobs or req.top_logprobs:
+        raise _unsupported("logprobs" if req.logprobs else "top_logprobs")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise _unsupported("response_format", "only {\"type\": \"text\"}")
+    return GenerationParams(policy=resolve_policy(req.specquant_policy), sampling=_sampling(req),
+                            max_tokens=req.max_completion_tokens or req.max_tokens, stop=_stops(req.stop),
+                            messages=_messages(req.messages), stream=bool(req.stream),
+                            include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+
+def completion_params(body: Any, resolve_policy: Callable[[Optional[str]], str]) -> GenerationParams:
+    """Validate a /v1/completions body: one prompt string (or a list holding exactly one)."""
+    req: CompletionRequest = _validate(CompletionRequest, body)
+    _refuse_common(req)
+    if req.best_of not in (None, 1):
+        raise _unsupported("best_of")
+    if req.echo:
+        raise _unsupported("echo")
+    if req.suffix:
+        raise _unsupported("suffix")
+    if req.logprobs:
+        raise _unsupported("logprobs")
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise _unsupported("prompt", "one prompt string per request (no token arrays or batches)")
+        prompt = prompt[0]
+    if not prompt:
+        raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
+    return GenerationParams(policy=resolve_policy(req.specquant_policy), sampling=_sampling(req),
+                            max_tokens=req.max_tokens, stop=_stops(req.stop), prompt=prompt, stream=bool(req.stream),
+                            include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+
+# -- responses ----------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def finish_reason(last) -> str:
+    return last.finish_reason if last.finish_reason in ("stop", "length") else "stop"
+
+
+def usage(last) -> dict:
+    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.new_tokens,
+            "total_tokens": last.prompt_tokens + last.new_tokens}
+
+
+def specquant_info(answer, last) -> dict:
+    """The `specquant` object of a response: how it was routed and planned, and how the speculation went."""
+    s = last.stats()
+    return {
+        "route": {"tier": answer.route.tier, "score": answer.route.score},
+        "policy": answer.plan.policy,
+        "plan": answer.plan.describe(),
+        "lossy": answer.plan.lossy,
+        "acceptance_rate": round(s["acceptance_rate"], 4),
+        "mean_accepted_length": round(s["mean_accepted_length"], 4),  # new tokens per parent call
+        "tokens_per_s": round(s["tokens_per_s"], 2),
+        "drafted": s["drafted"],
+        "accepted": s["accepted"],
+        "parent_calls": s["parent_calls"],
+        "prefill_s": round(s["prefill_s"], 4),
+        "total_s": round(s["total_s"], 4),
+    }
+
+
+def chat_response(rid: str, created: int, model: str, text: str, answer, last) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                         "logprobs": None, "finish_reason": finish_reason(last)}],
+            "usage": usage(last), "specquant": specquant_info(answer, last)}
+
+
+def completion_response(rid: str, created: int, model: str, text: str, answer, last) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(last)}],
+            "usage": usage(last), "specquant": specquant_info(answer, last)}
+
+
+class ChunkMaker:
+    """The chunks of one streamed answer, chat or completion, sharing id, created and model."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool):
+        self.chat = chat
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = now()
+        self.model = model
+        self.include_usage = include_usage
+
+    def _chunk(self, choices: list, **extra) -> dict:
+        d = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+             "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            d["usage"] = None  # as OpenAI: null on every chunk but the last
+        d.update(extra)
+        return d
+
+    def _choice(self, text: Optional[str], finish: Optional[str], role: bool = False) -> dict:
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            if role:
+                delta = {"role": "assistant", **delta}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    def first(self) -> Optional[dict]:
+        """The role chunk that opens a chat stream (completions have none)."""
+        return self._chunk([self._choice("", None, role=True)]) if self.chat else None
+
+    def text(self, text: str) -> dict:
+        return self._chunk([self._choice(text, None)])
+
+    def finish(self, answer, last) -> dict:
+        return self._chunk([self._choice(None if self.chat else "", finish_reason(last))],
+                           specquant=specquant_info(answer, last))
+
+    def usage(self, last) -> dict:
+        d = self._chunk([])
+        d["usage"] = usage(last)
+        return d

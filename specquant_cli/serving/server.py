@@ -1,0 +1,166 @@
+"""Start-up and shutdown: load the models once (after the placement check), run uvicorn, stop on a signal.
+
+SIGINT/SIGTERM: new requests get 503, the answer being generated ends with an error event (its stream) or a
+503 (a plain request), queued ones get 503, then uvicorn closes the connections and the process exits 0.
+A second SIGINT forces the exit."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import uvicorn
+
+from specquant_cli.errors import InputError, ResourceError
+from specquant_cli.family.manifest import MANIFEST
+from specquant_cli.routing.policies import POLICIES, all_roles, check_policy
+from specquant_cli.serving.schemas import ApiError, GenerationParams
+from specquant_cli.serving.worker import EngineWorker
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SHUTDOWN_GRACE_S = 10  # uvicorn's wait for open connections after a signal
+WORKER_JOIN_S = 30
+WARM_UP_TEXT = "Warm up the router."
+
+
+@dataclass
+class ServeOptions:
+    policy: str
+    policies: list[str] = field(default_factory=list)  # offered per request; empty: every registered policy
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: Optional[str] = None
+    max_queue: int = 32
+    max_tokens: int = 512  # for requests that give none (clamped to what the context has left)
+    max_body: int = 1 << 20
+
+
+class Service:
+    """What the routes need: the family, the session (used by the worker thread only), the worker, the
+    policies on offer and the request limits."""
+
+    def __init__(self, family, runtime, session, opts: ServeOptions):
+        self.family = family
+        self.runtime = runtime
+        self.session = session
+        self.default_policy = opts.policy
+        self.policies = opts.policies or list(POLICIES)
+        self.api_key = opts.api_key or None
+        self.max_tokens = opts.max_tokens
+        self.max_body = opts.max_body
+        self.worker = EngineWorker(self.generate, opts.max_queue)
+
+    def policy_for(self, requested: Optional[str], param: str) -> str:
+        if requested is None:
+            return self.default_policy
+        if requested not in self.policies:
+            raise ApiError(400, f"unknown or unavailable policy {requested!r}; this server offers: "
+                                f"{', '.join(self.policies)}", param=param, code="invalid_policy")
+        return requested
+
+    def model_card(self) -> dict:
+        fam = self.family
+        return {"id": fam.name, "object": "model", "created": int((fam.root / MANIFEST).stat().st_mtime),
+                "owned_by": "specquant",
+                "specquant": {"roles": {r: fam.variant(r)["type"] for r in fam.roles()},
+                              "loaded": self.runtime.loaded(), "policies": self.policies,
+                              "default_policy": self.default_policy, "provenance": fam.provenance}}
+
+    def generate(self, params: GenerationParams):
+        """On the worker thread: route, plan and return (answer, records) for one request."""
+        limit = params.max_tokens
+        if limit is None:  # OpenAI's "as long as the context allows", bounded by the server's default
+            model = self.runtime.tokenizer()
+            n_prompt = len(model.chat_prompt(params.messages)) if params.messages is not None else \
+                len(model.tokenize(params.prompt, add_bos=model.add_bos()))
+            limit = max(1, min(self.max_tokens, self.runtime.n_ctx - n_prompt))
+        return self.session.ask_messages(params.messages or [], policy=params.policy, sampling=params.sampling,
+                                         max_tokens=limit, stop=params.stop, raw_prompt=params.prompt)
+
+
+def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: Optional[int],
+                  router_config=None) -> Service:
+    """Load every role the offered policies can use (placement-checked first) and warm the router."""
+    from specquant_cli.routing.router import Router, load_config
+    from specquant_cli.runtime import Runtime
+    from specquant_cli.session import ChatSession
+
+    check_policy(opts.policy)
+    for p in opts.policies:
+        check_policy(p)
+    if opts.policies and opts.policy not in opts.policies:
+        raise InputError(f"--policy {opts.policy} must be one of --policies ({', '.join(opts.policies)})")
+    runtime = Runtime(family, n_ctx=n_ctx, gamma=gamma, threads=threads)
+    try:
+        roles = all_roles([opts.policy, *(opts.policies or POLICIES)])
+        try:
+            runtime.ensure(roles)
+        except ResourceError as e:
+            raise ResourceError(f"{e}; offer fewer policies with --policies (their roles: {', '.join(roles)})") \
+                from None
+        session = ChatSession(runtime, Router(load_config(router_config), runtime.count_tokens), opts.policy)
+        for name in dict.fromkeys([opts.policy, *(opts.policies or POLICIES)]):
+            # Planning once per policy loads spaCy, and has a planner measure what it needs (once per machine),
+            # now rather than during the first request.
+            session.plan(WARM_UP_TEXT, name)
+        return Service(family, runtime, session, opts)
+    except BaseException:
+        runtime.close()
+        raise
+
+
+def run(svc: Service, opts: ServeOptions, say=None) -> None:
+    """Serve until SIGINT/SIGTERM, then stop the worker and free the models."""
+    from specquant_cli.serving.app import create_app
+
+    say = say or _stderr
+    if opts.host not in LOOPBACK and not svc.api_key:
+        say(f"warning: listening on {opts.host} without an API key: anyone who can reach it can use it "
+            "(set --api-key or SPECQUANT_API_KEY)")
+    config = uvicorn.Config(create_app(svc), host=opts.host, port=opts.port, log_level="warning",
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    server = _Server(config, svc, opts, say)
+    svc.worker.start()
+    try:
+        server.run()
+    finally:
+        svc.worker.stop()
+        svc.worker.join(WORKER_JOIN_S)
+        svc.runtime.close()
+    say("specquant serve: stopped")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, told about the signal: the worker stops the running answer at once (uvicorn alone
+    would wait for the stream to finish), and the signal is not re-raised after a clean shutdown."""
+
+    def __init__(self, config: uvicorn.Config, svc: Service, opts: ServeOptions, say):
+        super().__init__(config)
+        self._svc = svc
+        self._opts = opts
+        self._say = say
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            self._say(f"specquant serve: listening on http://{shown}:{port} (family {self._svc.family.name}, "
+                      f"policy {self._svc.default_policy}, queue {self._opts.max_queue}, "
+                      f"{'API key required' if self._svc.api_key else 'no API key'})")
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+        # Why a thread: this runs inside a signal handler on the loop's thread, which may hold the worker's lock.
+        threading.Thread(target=self._svc.worker.stop, name="specquant-stop", daemon=True).start()
+
+
+def _stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

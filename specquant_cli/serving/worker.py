@@ -1,0 +1,204 @@
+"""One engine, one thread: the queued generations run one at a time, each as a stream of items.
+
+A request becomes a `Job`; `EngineWorker.submit` admits it while fewer than `max_queue` jobs wait behind
+the running one (else 429). The worker thread iterates the job's record stream and hands each record to the
+request's event loop; between two records it looks at the job's cancel flag, and a cancelled job has its
+record iterator closed at once (which stops the engine and leaves its caches consistent). A job yields:
+
+    ("start", Answer)      routing and planning done
+    ("record", Response)   one per piece of text; the last has `finish_reason` set
+    ("error", ApiError)    instead of (or after some) records; nothing follows it
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
+
+from specquant_cli.errors import InputError, ResourceError, SpecquantError
+from specquant_cli.serving.schemas import ApiError, GenerationParams
+
+EWMA_WEIGHT = 0.3  # weight of the newest job duration in the Retry-After estimate
+MAX_RETRY_AFTER_S = 60
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
+
+
+def disconnected() -> ApiError:
+    return ApiError(499, "the client disconnected", code="client_disconnected")  # nobody reads it
+
+
+class Job:
+    """One request's generation. Created on the request's event loop, run on the worker thread."""
+
+    def __init__(self, params: GenerationParams, loop: asyncio.AbstractEventLoop):
+        self.params = params
+        self._loop = loop
+        self._items: asyncio.Queue = asyncio.Queue()
+        self._cancel = threading.Event()
+        self.cancel_reason: Optional[ApiError] = None
+        self.done = False  # the worker has put its last item
+
+    def cancel(self, reason: ApiError) -> None:
+        if not self._cancel.is_set():
+            self.cancel_reason = reason
+            self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def put(self, kind: str, payload: Any) -> None:
+        """From any thread: hand an item to the request's loop (dropped if that loop is gone)."""
+        try:
+            self._loop.call_soon_threadsafe(self._items.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    async def get(self) -> tuple[str, Any]:
+        return await self._items.get()
+
+
+class EngineWorker:
+    """The single generation thread and its bounded queue.
+
+    Args:
+        run: called on the worker thread with a job's params; returns (answer, records) where generation
+            happens as `records` is iterated (`ChatSession.ask_messages`).
+        max_queue: jobs allowed to wait behind the running one; a request beyond that gets 429."""
+
+    def __init__(self, run: Callable[[GenerationParams], tuple[Any, Iterator[Any]]], max_queue: int):
+        self._run = run
+        self.max_queue = max_queue
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._running: Optional[Job] = None
+        self._stopping: Optional[ApiError] = None
+        self._thread = threading.Thread(target=self._loop, name="specquant-engine", daemon=True)
+        self._mean_s: Optional[float] = None
+        self.counts = {"served": 0, "cancelled": 0, "failed": 0}
+
+    # -- the request side (event loop) ---------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Admit `job` or raise ApiError 429 (queue full, with Retry-After) or 503 (shutting down)."""
+        with self._cond:
+            if self._stopping is not None:
+                raise self._stopping
+            busy = self._running is not None or self._waiting
+            if busy and len(self._waiting) >= self.max_queue:
+                wait = self._retry_after()
+                raise ApiError(429, f"the engine is busy and {len(self._waiting)} request(s) are queued "
+                                    f"(--queue {self.max_queue}); retry in about {wait} s",
+                               type="rate_limit_error", code="queue_full", headers={"Retry-After": str(wait)})
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job, reason: ApiError) -> None:
+        """Stop `job`: a waiting job leaves the queue now, the running one stops after the current cycle.
+        A finished job is left alone."""
+        with self._cond:
+            if job.done:
+                return
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self.counts["cancelled"] += 1
+                job.done = True
+                job.put("error", reason)
+                return
+        job.cancel(reason)
+
+    def stop(self, reason: Optional[ApiError] = None) -> None:
+        """Refuse new jobs, fail the waiting ones, stop the running one; the thread then ends."""
+        with self._cond:
+            if self._stopping is None:
+                self._stopping = reason or shutting_down()
+            reason = self._stopping
+            for job in self._waiting:
+                job.done = True
+                job.put("error", reason)
+            self._waiting.clear()
+            if self._running is not None:
+                self._running.cancel(reason)
+            self._cond.notify_all()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping is not None
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def status(self) -> dict:
+        with self._cond:
+            return {"busy": self._running is not None, "queued": len(self._waiting), "max_queue": self.max_queue,
+                    **self.counts}
+
+    def _retry_after(self) -> int:
+        per_job = self._mean_s if self._mean_s is not None else 1.0
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(per_job * (len(self._waiting) + 1))))
+
+    # -- the worker thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and self._stopping is None:
+                    self._cond.wait()
+                if not self._waiting:  # stopping, nothing left
+                    return
+                job = self._running = self._waiting.popleft()
+            t0 = time.perf_counter()
+            outcome = "failed"
+            try:
+                outcome = self._execute(job)
+            finally:
+                with self._cond:
+                    self._running = None
+                    job.done = True
+                    self.counts[outcome] += 1
+                    took = time.perf_counter() - t0
+                    self._mean_s = took if self._mean_s is None else \
+                        (1 - EWMA_WEIGHT) * self._mean_s + EWMA_WEIGHT * took
+
+    def _execute(self, job: Job) -> str:
+        """Run one job to its end; returns which counter it adds to: served, cancelled or failed."""
+        try:
+            answer, records = self._run(job.params)
+            job.put("start", answer)
+            last = None
+            try:
+                for rec in records:
+                    if job.cancelled:
+                        break
+                    job.put("record", rec)
+                    last = rec
+            finally:
+                records.close()  # a generator: closing it stops the engine now, caches consistent
+        except InputError as e:  # e.g. the prompt does not fit the context with max_tokens
+            job.put("error", ApiError(400, str(e), code="invalid_request"))
+            return "failed"
+        except ResourceError as e:
+            job.put("error", ApiError(503, str(e), type="server_error", code="resources"))
+            return "failed"
+        except SpecquantError as e:
+            job.put("error", ApiError(500, str(e), type="server_error", code="engine_error"))
+            return "failed"
+        except Exception as e:  # the client gets no detail, the server's log one line
+            sys.stderr.write(f"error: internal error in generation: {type(e).__name__}: {e}\n")
+            job.put("error", ApiError(500, "internal error", type="server_error", code="internal_error"))
+            return "failed"
+        if last is not None and last.finish_reason is not None:
+            return "served"  # delivered whole (a cancel that came after the last record changes nothing)
+        job.put("error", job.cancel_reason or shutting_down())
+        return "cancelled"
