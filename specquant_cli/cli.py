@@ -1,4 +1,8 @@
-"""The Typer app: wires the commands and maps errors to one line on stderr and exit code 1."""
+"""The Typer app: wires the commands and maps errors to one line on stderr and an exit code.
+
+Exit codes: 0 done; 1 an error (one `error: …` line on stderr); 2 a usage error (an unknown option, a value
+out of range: one line too); 130 interrupted (Ctrl-C or SIGTERM); 141 the reader of stdout closed it
+(quietly, as other Unix tools)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,9 @@ from typer.core import TyperGroup
 
 from specquant_cli.errors import SpecquantError
 
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_CLOSED_PIPE = 1, 2, 130, 141
+_click = sys.modules[typer.BadParameter.__module__]  # the click exceptions typer uses (it may vendor click)
+
 
 def _debug() -> bool:
     return os.environ.get("SPECQUANT_DEBUG", "") not in ("", "0")
@@ -17,6 +24,31 @@ def _debug() -> bool:
 
 class _Group(TyperGroup):
     """Translate the exception family once, at the edge. SPECQUANT_DEBUG=1 re-raises."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Usage errors as one line (`error: …`, exit 2) instead of a usage box."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _click.NoArgsIsHelpError as e:  # the help is the message
+            if e.format_message().strip():
+                e.show()
+            sys.exit(e.exit_code)
+        except _click.ClickException as e:
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see {ctx.command_path} -h)" if ctx is not None else ""
+            _say(f"error: {e.format_message()}{hint}")
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            _say("aborted")
+            sys.exit(EXIT_ERROR)
+        except SpecquantError as e:  # from an eager option's callback, before any command runs
+            if _debug():
+                raise
+            _say(f"error: {e}")
+            sys.exit(EXIT_ERROR)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx):
         try:
@@ -27,12 +59,19 @@ class _Group(TyperGroup):
             if _debug():
                 raise
             _say(f"error: {e}")
-            raise typer.Exit(1) from None
+            raise typer.Exit(EXIT_ERROR) from None
         except KeyboardInterrupt:
             if _debug():
                 raise
             _say("interrupted")
-            raise typer.Exit(130) from None
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except BrokenPipeError:  # the reader went away (| head): stop quietly
+            if _debug():
+                raise
+            from specquant_cli.console import silence_stdout
+
+            silence_stdout()
+            raise typer.Exit(EXIT_CLOSED_PIPE) from None
         except Exception as e:
             if hasattr(e, "exit_code") or _debug():  # usage errors are the parser's to print
                 raise
@@ -54,7 +93,12 @@ def _version(value: bool) -> None:
     if value:
         from importlib.metadata import version
 
-        sys.stdout.write(f"specquant {version('specquant')} (llama-cpp-python {version('llama-cpp-python')})\n")
+        from specquant_cli.console import out
+
+        try:
+            out(f"specquant {version('specquant')} (llama-cpp-python {version('llama-cpp-python')})")
+        except BrokenPipeError:
+            raise typer.Exit(EXIT_CLOSED_PIPE) from None
         raise typer.Exit(0)
 
 
@@ -65,9 +109,19 @@ def _root(_: bool = typer.Option(False, "--version", callback=_version, is_eager
 
 
 def _register() -> None:
-    from specquant_cli.commands import bench, calibrate, chat, doctor, pull, quantize, route, serve
+    from specquant_cli.commands import (
+        bench,
+        calibrate,
+        calibrate_activations,
+        chat,
+        doctor,
+        pull,
+        quantize,
+        route,
+        serve,
+    )
 
-    for mod in (pull, quantize, doctor, route, calibrate, chat, bench, serve):
+    for mod in (pull, quantize, calibrate_activations, doctor, route, calibrate, chat, bench, serve):
         mod.register(app)
 
 
@@ -75,6 +129,12 @@ _register()
 
 
 def main() -> None:
+    from specquant_cli import interrupts
+    from specquant_cli.console import ClosedStream
+
+    interrupts.install()  # SIGTERM stops like Ctrl-C: cleanup runs, exit 130
+    if sys.stdout is None:  # started with stdout closed (>&-): a write is a clean error, not a crash
+        sys.stdout = ClosedStream()
     app(prog_name="specquant")
 
 

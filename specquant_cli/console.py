@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import sys
@@ -21,8 +23,40 @@ err = Console(stderr=True, highlight=False, soft_wrap=True, width=_width())
 
 
 def out(text: str = "", end: str = "\n") -> None:
-    sys.stdout.write(text + end)
-    sys.stdout.flush()
+    """Data to stdout. A closed pipe raises BrokenPipeError (the CLI edge stops quietly); any other write
+    failure (/dev/full, a closed stdout) is a one-line error."""
+    try:
+        sys.stdout.write(text + end)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        silence_stdout()
+        raise
+    except (OSError, ValueError) as e:
+        silence_stdout()
+        from specquant_cli.errors import SpecquantError
+
+        raise SpecquantError(f"cannot write to stdout ({getattr(e, 'strerror', None) or e})") from None
+
+
+def silence_stdout() -> None:
+    """After stdout failed: point fd 1 at /dev/null, so the interpreter's last flush does not fail again."""
+    try:
+        fd = sys.stdout.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass
+
+
+class ClosedStream(io.TextIOBase):
+    """Stands in for a stdout that was closed before we started: every write fails cleanly."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        raise OSError(errno.EBADF, "stdout is closed")
 
 
 def out_json(obj: object) -> None:

@@ -1,35 +1,226 @@
-"""Atomic writes and hashing: no partial file is ever left under its final name."""
+"""Writes that cannot lose data: no partial file is ever left under its final name, and no good file is
+removed or truncated before its replacement is complete.
+
+A write goes to a temporary file created exclusively beside its target (`O_CREAT|O_EXCL|O_NOFOLLOW`, a
+unique name: `.NAME.PID.RANDOM.part`, so a symlink planted there is never followed), is flushed and
+fsynced, renamed over the target, and the folder is fsynced. Temp files left by a process that died
+(SIGKILL, power loss) carry its pid, and `remove_stale` deletes them on the next run."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
+import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
+
+from specquant_cli.errors import InputError
+
+# .NAME.PID.RANDOM.part (and the older .NAME.PID.part), and the fetch work folders .fetch-PID-XXXX
+TEMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)(?:\.[0-9a-f]{8})?\.part$")
+WORKDIR_RE = re.compile(r"^\.fetch-(?P<pid>\d+)-")
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def temp_path_for(final: Path) -> Path:
-    return final.with_name(f".{final.name}.{os.getpid()}.part")
+def temp_name(final_name: str) -> str:
+    return f".{final_name}.{os.getpid()}.{secrets.token_hex(4)}.part"
+
+
+def create_temp(final: Path) -> tuple[int, Path]:
+    """Create a new, empty temp file beside `final`: (open fd, path). Never opens an existing file or link."""
+    final = Path(final)
+    for _ in range(64):
+        tmp = final.with_name(temp_name(final.name))
+        try:
+            return os.open(tmp, _CREATE, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise OSError(errno.EEXIST, f"no free temporary name beside {final}")
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (best effort: some file systems cannot fsync a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_temp(tmp: Path, final: Path) -> None:
+    """fsync the finished temp file, rename it over `final`, fsync the folder."""
+    fsync_file(tmp)
+    os.replace(tmp, final)
+    fsync_dir(Path(final).parent)
 
 
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `final`; rename it into place only if the block succeeds."""
+    """Yield the path of a new, exclusively created temp file beside `final` (for writers that open a path
+    themselves); it is fsynced and renamed into place only if the block succeeds, and removed otherwise."""
     final = Path(final)
-    tmp = temp_path_for(final)
+    remove_stale(final.parent, final.name)
+    fd, tmp = create_temp(final)
+    os.close(fd)
     try:
         yield tmp
-        os.replace(tmp, final)
+        commit_temp(tmp, final)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
 
 
+@contextlib.contextmanager
+def atomic_open(final: Path, mode: str = "w") -> Iterator:
+    """A file object over the exclusively created temp fd (never reopened by name); committed on success."""
+    final = Path(final)
+    remove_stale(final.parent, final.name)
+    fd, tmp = create_temp(final)
+    try:
+        with open(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    with atomic_open(Path(path), "wb") as f:
+        f.write(data)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_open(Path(path), "w") as f:
+        f.write(text)
+
+
 def write_json_atomic(path: Path, data: object) -> None:
-    with atomic_path(Path(path)) as tmp:
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def remove_stale(folder: Path, name: Optional[str] = None) -> list[Path]:
+    """Delete temp files (and fetch work folders) that processes no longer alive left in `folder`.
+
+    With `name`, only the temp files of that target. A symlink is removed as a link, never followed."""
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for e in entries:
+        m = TEMP_RE.match(e.name) or (None if name else WORKDIR_RE.match(e.name))
+        if not m or (name is not None and m.groupdict().get("name") != name) or pid_alive(int(m.group("pid"))):
+            continue
+        p = Path(e.path)
+        try:
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            removed.append(p)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            continue  # not ours to remove (permissions): leave it
+    return removed
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name the same file (same inode, or the same resolved path when one is missing)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).resolve() == Path(b).resolve()
+
+
+def check_folder_writable(folder: Path, what: str, create: bool = False) -> Path:
+    """A folder we can create files in, with a one-line error naming the option (`what`) otherwise."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{what} {folder}: not a folder")
+    if not folder.exists():
+        if not create:
+            raise InputError(f"{what} {folder}: no such folder")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InputError(f"{what} {folder}: cannot create the folder ({e.strerror})") from None
+    try:
+        fd, probe = create_temp(folder / "write-probe")
+    except OSError as e:
+        raise InputError(f"{what} {folder}: not writable ({e.strerror})") from None
+    os.close(fd)
+    probe.unlink()
+    return folder
+
+
+def check_output_file(path: Path, what: str) -> None:
+    """An output file path that can be written: its folder exists and is writable, and it is not a folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{what} {path}: is a folder, not a file")
+    parent = path.parent
+    if not parent.exists():
+        raise InputError(f"{what} {path}: folder {parent} does not exist")
+    if not parent.is_dir():
+        raise InputError(f"{what} {path}: {parent} is not a folder")
+    try:
+        fd, probe = create_temp(path)
+    except OSError as e:
+        raise InputError(f"{what} {path}: cannot write in {parent} ({e.strerror})") from None
+    os.close(fd)
+    probe.unlink()
+
+
+def open_append_nofollow(path: Path, what: str) -> int:
+    """An fd appending to `path`, refusing a symlink there (which could point at any file the user owns)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InputError(f"{what} {path} is a symbolic link; refusing to write through it (remove it)") \
+                from None
+        raise InputError(f"{what} {path}: cannot open it for writing ({e.strerror})") from None
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:

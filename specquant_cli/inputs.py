@@ -9,13 +9,23 @@ from typing import Optional
 from specquant_cli.errors import InputError
 
 
-def decode_input(data: bytes) -> str:
+def decode_input(data: bytes, what: str = "input") -> str:
     """Input must be UTF-8: invalid bytes are refused (not replaced), so no prompt is silently altered."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"input is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+        raise InputError(f"{what} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
                          "convert it first, e.g. with iconv -t UTF-8") from None
+
+
+def check_text(value: str, what: str) -> str:
+    """An argument must be UTF-8 too: the shell hands undecodable bytes over as surrogates, refused here."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        decode_input(value.encode("utf-8", "surrogateescape"), what)
+        raise InputError(f"{what} is not valid UTF-8") from None
+    return value
 
 
 def stdin_is_tty() -> bool:
@@ -26,9 +36,28 @@ def stdin_is_tty() -> bool:
 
 
 def read_stdin() -> str:
+    if sys.stdin is None:
+        raise InputError("stdin is closed; give the prompt as an argument")
     stream = getattr(sys.stdin, "buffer", None)
-    data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8")
-    return decode_input(data)
+    try:
+        data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8")
+    except OSError as e:
+        raise InputError(f"cannot read stdin ({e.strerror})") from None
+    return decode_input(data, "stdin")
+
+
+def read_line() -> str:
+    """One line of stdin for an interactive session, without its newline. EOFError at the end; InputError
+    (the session goes on) for a line that is not UTF-8."""
+    if sys.stdin is None:
+        raise EOFError
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:
+        return input()
+    raw = stream.readline()
+    if not raw:
+        raise EOFError
+    return decode_input(raw.rstrip(b"\n").rstrip(b"\r"), "that line")
 
 
 STDIN_RULE = ("stdin is read only when no PROMPT is given or a PROMPT argument is '-' (several arguments are "
@@ -49,7 +78,7 @@ def read_prompt(args: Optional[Sequence[str]], allow_empty: bool = False) -> str
                 stdin_text = read_stdin()
             parts.append(stdin_text)
         else:
-            parts.append(a)
+            parts.append(check_text(a, "the PROMPT argument"))
     text = "\n\n".join(p.strip("\n") for p in parts if p.strip())
     if not text.strip() and not allow_empty:
         raise InputError("empty prompt: give PROMPT or pipe text on stdin")

@@ -5,7 +5,7 @@ import pytest
 
 from specquant_cli.system import hardware, placement
 from specquant_cli.system.hardware import GPU, Facts
-from specquant_cli.system.placement import ModelNeed, plan
+from specquant_cli.system.placement import ModelNeed, place
 
 from conftest import run_cli
 
@@ -23,18 +23,18 @@ DRAFT = ModelNeed("q4", GiB, GiB // 8, 28)
 
 
 def test_plan_gpu_when_both_fit():
-    p = plan(facts(free_vram=10 * GiB), PARENT, DRAFT)
+    p = place(facts(free_vram=10 * GiB), PARENT, DRAFT)
     assert p.mode == "gpu" and p.gpu_layers == {"f16": -1, "q4": -1} and p.ram_bytes == 0
 
 
 def test_plan_hybrid_parent_on_gpu_draft_on_cpu():
-    p = plan(facts(free_vram=4 * GiB), PARENT, DRAFT)
+    p = place(facts(free_vram=4 * GiB), PARENT, DRAFT)
     assert p.mode == "hybrid" and p.gpu_layers == {"f16": -1, "q4": 0}
     assert p.ram_bytes == DRAFT.total and p.fits_ram
 
 
 def test_plan_hybrid_partial_offload_computes_layers():
-    p = plan(facts(free_vram=2 * GiB), PARENT, DRAFT)
+    p = place(facts(free_vram=2 * GiB), PARENT, DRAFT)
     assert p.mode == "hybrid" and p.gpu_layers["q4"] == 0
     n = p.gpu_layers["f16"]
     per_layer = PARENT.weight_bytes / PARENT.n_layers
@@ -45,14 +45,14 @@ def test_plan_hybrid_partial_offload_computes_layers():
 
 
 def test_plan_cpu_without_gpu_and_with_cpu_only_build():
-    assert plan(facts(), PARENT, DRAFT).mode == "cpu"
-    p = plan(facts(free_vram=20 * GiB, offload=False), PARENT, DRAFT)
+    assert place(facts(), PARENT, DRAFT).mode == "cpu"
+    p = place(facts(free_vram=20 * GiB, offload=False), PARENT, DRAFT)
     assert p.mode == "cpu" and "without GPU offload" in p.reason
     assert hardware.advice(facts(free_vram=20 * GiB, offload=False)).endswith(hardware.REINSTALL_HINT)
 
 
 def test_plan_reports_ram_shortfall():
-    p = plan(facts(ram=2 * GiB), PARENT, DRAFT)
+    p = place(facts(ram=2 * GiB), PARENT, DRAFT)
     assert p.mode == "cpu" and not p.fits_ram
 
 

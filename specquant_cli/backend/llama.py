@@ -74,7 +74,23 @@ def _default_log() -> None:
     global _log_file
     _init_backend()
     if _log_file is None and os.environ.get("SPECQUANT_LLAMA_LOG"):
-        _log_file = open(os.environ["SPECQUANT_LLAMA_LOG"], "a", encoding="utf-8")
+        path = os.environ["SPECQUANT_LLAMA_LOG"]
+        try:
+            _log_file = open(path, "a", encoding="utf-8")
+        except OSError as e:
+            raise InputError(f"SPECQUANT_LLAMA_LOG={path}: cannot write llama.cpp's log there ({e.strerror})") \
+                from None
+
+
+def default_threads() -> int:
+    """SPECQUANT_THREADS when set (a positive integer), else every core. On a machine shared with other
+    busy processes, fewer threads than cores avoids llama.cpp's threads waiting on each other."""
+    env = os.environ.get("SPECQUANT_THREADS", "")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise InputError(f"SPECQUANT_THREADS={env!r}: expected a positive integer")
+        return int(env)
+    return max(1, os.cpu_count() or 1)
 
 
 def gpu_offload_supported() -> bool:
@@ -96,6 +112,12 @@ class Model:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
+        # Weights are read into process memory instead of mapped from the page cache: a mapped model's pages
+        # can be reclaimed under memory management (measured: a 43-token prefill taking 4.2 s instead of
+        # 0.35 s, one answer 17x slower), which makes both latency and every measurement erratic.
+        # SPECQUANT_MMAP=1 maps them (faster start, shared between processes).
+        if not vocab_only and os.environ.get("SPECQUANT_MMAP", "") != "1":
+            params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
         self._ptr = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
         if not self._ptr:
             raise LlamaError(f"llama.cpp could not load {self.path}")
@@ -262,11 +284,13 @@ class Context(PrefixCache):
     `tokens` always equals what the KV cache holds, position by position."""
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 512, n_threads: Optional[int] = None,
-                 n_seq_max: int = 1):
+                 n_seq_max: int = 1, eval_callback=None):
+        """eval_callback: a `ggml_backend_sched_eval_callback` (llama.cpp's `cb_eval`), called for graph nodes
+        as they are computed (family.imatrix collects activation statistics through it); kept alive here."""
         import llama_cpp
 
         self.model = model
-        threads = n_threads or max(1, os.cpu_count() or 1)
+        threads = n_threads or default_threads()
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
@@ -275,6 +299,10 @@ class Context(PrefixCache):
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
+        self._eval_callback = eval_callback
+        if eval_callback is not None:
+            params.cb_eval = eval_callback
+            params.cb_eval_user_data = None
         self._ptr = llama_cpp.llama_init_from_model(model._ptr, params)
         if not self._ptr:
             raise LlamaError(f"llama.cpp could not create a context of {n_ctx} for {model.path.name}")

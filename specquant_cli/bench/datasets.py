@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import InputError
+from specquant_cli.inputs import decode_input
 
 ANSWER_HINT = "\nEnd your answer with '#### ' followed by the final number."
 _NUM = r"-?\$?\d[\d,]*(?:\.\d+)?"
@@ -47,6 +48,27 @@ def extract_answer(text: str) -> Optional[str]:
     return normalize_number(nums[-1]) if nums else None
 
 
+def _question_problem(d) -> Optional[str]:
+    """Why a parsed line is not a usable Spec-Bench question, else None."""
+    if not isinstance(d, dict):
+        return f"a JSON {type(d).__name__}, not an object"
+    turns = d.get("turns")
+    if not isinstance(turns, list) or not turns:
+        return "needs 'turns': [prompt, ...] with at least one prompt"
+    if not isinstance(turns[0], str):
+        return f"turns[0] is {json.dumps(turns[0])}, not a string"
+    if not turns[0].strip():
+        return "turns[0] is empty or whitespace only"
+    if "category" in d and (not isinstance(d["category"], str) or not d["category"].strip()):
+        return "'category' must be a non-empty string"
+    if "reference" in d and d["reference"] is not None and not isinstance(d["reference"], list):
+        return "'reference' must be a list"
+    qid = d.get("question_id")
+    if qid is not None and (isinstance(qid, bool) or not isinstance(qid, (str, int))):
+        return "'question_id' must be a string or an integer"
+    return None
+
+
 def _items(lines: Iterable[str], source: str) -> list[Item]:
     out = []
     for n, line in enumerate(lines, 1):
@@ -54,9 +76,13 @@ def _items(lines: Iterable[str], source: str) -> list[Item]:
             continue
         try:
             d = json.loads(line)
-            prompt = d["turns"][0]
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise InputError(f"{source}:{n}: not a Spec-Bench question (needs 'turns': [prompt, ...])") from None
+        except ValueError as e:
+            raise InputError(f"{source}:{n}: not JSON ({e.args[0].split(':')[0]}); a Spec-Bench question "
+                             "is one object per line with 'turns': [prompt, ...]") from None
+        why = _question_problem(d)
+        if why:
+            raise InputError(f"{source}:{n}: not a Spec-Bench question: {why}")
+        prompt = d["turns"][0]
         ref = d.get("reference") or []
         answer = final_answer(ref[0]) if ref and isinstance(ref[0], str) else None
         if answer is not None:
@@ -64,6 +90,15 @@ def _items(lines: Iterable[str], source: str) -> list[Item]:
         out.append(Item(f"{Path(source).stem}:{d.get('question_id', n)}", d.get("category", "uncategorized"),
                         prompt, answer))
     return out
+
+
+def check_lengths(items: Sequence[Item], check: Callable[[str], object]) -> None:
+    """Run the router's cheap length check on every prompt before any model loads (naming the item)."""
+    for it in items:
+        try:
+            check(it.prompt)
+        except InputError as e:
+            raise InputError(f"{it.id}: {e}") from None
 
 
 def builtin() -> list[Item]:
@@ -79,9 +114,11 @@ def load(files: Sequence[Path], categories: Optional[Sequence[str]] = None, limi
         items = builtin()
     for f in files:
         try:
-            items += _items(Path(f).read_text(encoding="utf-8").splitlines(), str(f))
+            raw = Path(f).read_bytes()
         except OSError as e:
             raise InputError(f"{f}: cannot read dataset ({e.strerror})") from None
+        text = decode_input(raw, f"dataset {f}")
+        items += _items(text.split("\n"), str(f))  # \n only, like every JSON-lines reader
     if categories:
         known = {i.category for i in items}
         unknown = [c for c in categories if c not in known]

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from specquant_cli.errors import InputError
-from specquant_cli.fsutil import atomic_path, write_json_atomic
+from specquant_cli.errors import InputError, SpecquantError
+from specquant_cli.fsutil import atomic_open, check_output_file, same_file, write_json_atomic, write_text_atomic
 
 
 def _mean(xs) -> Optional[float]:
@@ -152,16 +152,45 @@ def plot(summary: list[dict], path: Path) -> None:
     ax.set_ylim(-0.05, 1.1)
     ax.set_title("specquant policies: speed vs fidelity (red = lossy)")
     fig.tight_layout()
-    with atomic_path(Path(path)) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_open(Path(path), "wb") as f:
+            fig.savefig(f, format="png", dpi=120)
+    finally:
+        plt.close(fig)
 
 
-def write_outputs(report: dict, json_out: Optional[Path], md_out: Optional[Path], plot_out: Optional[Path]) -> None:
-    if json_out:
-        write_json_atomic(json_out, report)
-    if md_out:
-        with atomic_path(Path(md_out)) as tmp:
-            tmp.write_text(markdown(report), encoding="utf-8")
-    if plot_out:
-        plot(report["summary"], plot_out)
+def check_outputs(outputs: dict[str, Optional[Path]], inputs: Sequence[Path] = ()) -> None:
+    """Before a long run: every output file can be written, none is an input, no two are the same file."""
+    given = {opt: Path(p) for opt, p in outputs.items() if p is not None}
+    for opt, p in given.items():
+        for i in inputs:
+            if same_file(p, i):
+                raise InputError(f"{opt} {p} is an input ({i}); refusing to overwrite it")
+        check_output_file(p, opt)
+    seen: dict[Path, str] = {}
+    for opt, p in given.items():
+        key = p.resolve()
+        if key in seen:
+            raise InputError(f"{opt} and {seen[key]} name the same file {p}")
+        seen[key] = opt
+
+
+def write_outputs(report: dict, json_out: Optional[Path], md_out: Optional[Path],
+                  plot_out: Optional[Path]) -> Optional[SpecquantError]:
+    """Write every requested output that can be written; the error naming those that failed, else None."""
+    jobs = [("--json-file", json_out, lambda p: write_json_atomic(p, report)),
+            ("--markdown", md_out, lambda p: write_text_atomic(p, markdown(report))),
+            ("--plot", plot_out, lambda p: plot(report["summary"], p))]
+    failed, written = [], []
+    for opt, path, write in jobs:
+        if path is None:
+            continue
+        try:
+            write(Path(path))
+            written.append(f"{opt} {path}")
+        except (OSError, SpecquantError) as e:
+            failed.append(f"{opt} {path} ({getattr(e, 'strerror', None) or e})")
+    if not failed:
+        return None
+    return SpecquantError(f"could not write {'; '.join(failed)}"
+                          + (f"; written: {', '.join(written)}" if written else ""))

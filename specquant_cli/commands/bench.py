@@ -8,7 +8,16 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, JsonOpt, load_family
+from specquant_cli.commands.options import (
+    ConfigOpt,
+    CtxOpt,
+    FamilyOpt,
+    JsonOpt,
+    finite,
+    load_family,
+    split_list,
+    warn_above_trained_ctx,
+)
 from specquant_cli.console import err, out_json
 from specquant_cli.routing.policies import bench_policies
 
@@ -26,8 +35,9 @@ def bench(
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most N prompts per category"),
     policies: str = typer.Option(",".join(bench_policies()), "--policies", help="Comma-separated policies"),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (identical_rate needs it)"),
-    seed: int = typer.Option(0, "--seed"),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, callback=finite,
+                                      help="0 = greedy (identical_rate needs it)"),
+    seed: int = typer.Option(0, "--seed", min=0, max=2**64 - 1),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Timed runs per prompt and policy"),
     warmup: int = typer.Option(1, "--warmup", min=0, help="Warm-up generations per model before timing"),
     gamma: int = typer.Option(4, "--gamma", min=1, max=16),
@@ -48,16 +58,22 @@ def bench(
     from specquant_cli.runtime import Runtime
     from specquant_cli.system.hardware import detect
 
-    names = [check_policy(p.strip()) for p in policies.split(",") if p.strip()]
-    names = ["parent"] + [p for p in dict.fromkeys(names) if p != "parent"]  # the baseline runs first
+    # Everything that can be checked is checked before a model loads: a long run must not fail at its end.
+    names = [check_policy(p) for p in split_list(policies, "--policies", "policy")]
+    names = ["parent"] + [p for p in names if p != "parent"]  # the baseline runs first
+    report.check_outputs({"--json-file": json_file, "--markdown": md_out, "--plot": plot_out},
+                         inputs=[*dataset, *([config] if config else [])])
     if plot_out:
         report.check_plot_available()
-    cats = [c.strip() for c in categories.split(",")] if categories else None
+    cats = split_list(categories, "--categories", "category")
     items = datasets.load(dataset, cats, limit)
+    router_config = load_config(config)
     fam = load_family(family)
+    warn_above_trained_ctx(fam, n_ctx)
     facts = detect()
     runtime = Runtime(fam, n_ctx=n_ctx, gamma=gamma, facts=facts)
-    router = Router(load_config(config), runtime.count_tokens)
+    router = Router(router_config, runtime.count_tokens, max_tokens=n_ctx)
+    datasets.check_lengths(items, router.check_length)
     sp = SamplingParams(temperature=temperature, seed=seed)
     t0 = time.perf_counter()
     total = len(items) * len(names)
@@ -95,6 +111,8 @@ def bench(
     }
     err.print(report.rich_table(summary, f"{fam.name}: {len(items)} prompts, {max_tokens} new tokens"))
     err.print(f"provenance: {fam.provenance}\ncaveat: {INFLATION_NOTE}", markup=False)
-    report.write_outputs(rep, json_file, md_out, plot_out)
+    failure = report.write_outputs(rep, json_file, md_out, plot_out)  # each writable one is written
     if json_out:
         out_json(rep)
+    if failure:
+        raise failure

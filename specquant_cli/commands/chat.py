@@ -5,9 +5,20 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, JsonOpt, PolicyOpt, load_family
+from specquant_cli.commands.options import (
+    ConfigOpt,
+    CtxOpt,
+    FamilyOpt,
+    JsonOpt,
+    PolicyOpt,
+    SeedOpt,
+    TemperatureOpt,
+    TopPOpt,
+    load_family,
+    warn_above_trained_ctx,
+)
 from specquant_cli.console import err, out, out_json
-from specquant_cli.inputs import read_prompt, stdin_is_tty
+from specquant_cli.inputs import check_text, read_prompt, stdin_is_tty
 
 HELP = """Chat with a family: routed, speculative, lossless unless the policy says otherwise.
 
@@ -27,10 +38,10 @@ def chat(
     family: Optional[Path] = FamilyOpt,
     policy: str = PolicyOpt,
     max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="New tokens per answer"),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy"),
-    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
+    temperature: float = TemperatureOpt,
+    top_p: float = TopPOpt,
     top_k: int = typer.Option(0, "--top-k", min=0, help="0 = off"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Same seed, same sampled output"),
+    seed: Optional[int] = SeedOpt,
     system: Optional[str] = typer.Option(None, "--system", help="System message"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
     gamma: int = typer.Option(4, "--gamma", min=1, max=16, help="Draft length (initial, for adaptive)"),
@@ -48,11 +59,17 @@ def chat(
     from specquant_cli.session import ChatSession
 
     check_policy(policy)
+    if system is not None:
+        check_text(system, "--system")
+    for s in stop:
+        check_text(s, "--stop")
     is_interactive = interactive or (not prompt and stdin_is_tty())
     prompts = [] if is_interactive else _prompts(prompt, each_line)
+    router_config = load_config(config)
     fam = load_family(family)
+    warn_above_trained_ctx(fam, n_ctx)
     runtime = Runtime(fam, n_ctx=n_ctx, gamma=gamma)
-    session = ChatSession(runtime, Router(load_config(config), runtime.count_tokens), policy,
+    session = ChatSession(runtime, Router(router_config, runtime.count_tokens, max_tokens=n_ctx), policy,
                           SamplingParams(temperature, top_k, top_p, seed), max_tokens, system, stop)
     try:
         if is_interactive:
@@ -68,7 +85,12 @@ def _prompts(prompt: Optional[list[str]], each_line: bool) -> list[str]:
     text = read_prompt(prompt)
     if not each_line:
         return [text]
-    return [ln.strip() for ln in text.split("\n") if ln.strip()]  # \n only: not U+2028, form feed, ...
+    lines = [ln.strip() for ln in text.split("\n") if ln.strip()]  # \n only: not U+2028, form feed, ...
+    if not lines:
+        from specquant_cli.errors import InputError
+
+        raise InputError("--each-line: no non-empty line in the input")
+    return lines
 
 
 def _stats_line(answer) -> str:
@@ -93,20 +115,31 @@ def _one(session, text: str, json_out: bool, stats: bool) -> None:
         out("")
     if stats:
         err.print(_stats_line(answer), markup=False)
+    if answer.last is not None and answer.last.finish_reason == "interrupted":
+        raise KeyboardInterrupt  # Ctrl-C stops the whole batch (exit 130), not just this answer
 
 
 def _interactive(session, stats: bool) -> None:
-    from specquant_cli.errors import SpecquantError
+    from specquant_cli import interrupts
+    from specquant_cli.errors import InputError, SpecquantError
+    from specquant_cli.inputs import read_line
 
     err.print(f"specquant chat — family {session.runtime.family.name}, policy {session.policy}. {COMMANDS_HELP}",
               markup=False)
     while True:
+        if interrupts.terminated():  # SIGTERM during an answer: the answer stopped, now the session does
+            raise interrupts.Terminated()
         err.print("you> ", end="", markup=False)
         try:
-            line = input()
+            line = read_line()
         except EOFError:
             err.print("")
             return
+        except InputError as e:  # a mistyped byte costs the line, not the session
+            err.print(f"error: {e}; line ignored", markup=False)
+            continue
+        except interrupts.Terminated:
+            raise
         except KeyboardInterrupt:
             err.print("\n(Ctrl-D or /exit quits)")
             continue

@@ -5,9 +5,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from specquant_cli.commands.options import FAMILY_ENV, FamilyOpt, JsonOpt, load_family
+from specquant_cli.commands.options import FAMILY_ENV, MAX_CTX, FamilyOpt, JsonOpt, load_family, warn_above_trained_ctx
 from specquant_cli.console import err, gib, out_json
 
 
@@ -17,26 +18,44 @@ def register(app: typer.Typer) -> None:
 
 def doctor(
     family: Optional[Path] = FamilyOpt,
-    n_ctx: int = typer.Option(4096, "--ctx", min=256, help="Context size the plan reserves KV cache for"),
+    n_ctx: int = typer.Option(4096, "--ctx", min=256, max=MAX_CTX, help="Context size the plan reserves KV cache for"),
+    verify: bool = typer.Option(False, "--verify", help="With --family: also check each file's sha256"),
     json_out: bool = JsonOpt,
 ) -> None:
     from specquant_cli.system import hardware
-    from specquant_cli.system.placement import family_plans
+    from specquant_cli.system.placement import family_placements
 
     facts = hardware.detect()
     report = {"hardware": facts.to_dict(), "advice": hardware.advice(facts)}
+    broken: dict[str, str] = {}
     if family is not None or os.environ.get(FAMILY_ENV):
+        from specquant_cli.errors import FamilyError
+
         fam = load_family(family)
-        report["family"] = {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance}
-        report["placements"] = family_plans(facts, fam, n_ctx)
+        warn_above_trained_ctx(fam, n_ctx)
+        # every variant checked (path inside the folder, size, GGUF parse, type, vocabulary; sha256 with --verify)
+        checks = fam.check(hashes=verify, deep=True)
+        broken = {role: why for role, why in checks.items() if why}
+        report["family"] = {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance,
+                            "sha256_verified": verify,
+                            "variants": {role: {"ok": why is None, "problem": why} for role, why in checks.items()}}
+        try:
+            report["placements"] = family_placements(facts, fam, n_ctx)
+        except FamilyError:  # a record too broken to plan with: reported below
+            report["placements"] = {}
         from specquant_cli.system import calibration as cal
 
         c = cal.load(fam.root, cal.fingerprint(facts))
         report["calibration"] = c.to_dict() if c else None
     if json_out:
         out_json(report)
-        return
-    _render(report)
+    else:
+        _render(report)
+    if broken:
+        from specquant_cli.errors import FamilyError
+
+        raise FamilyError(f"family {report['family']['name']}: {len(broken)} of {len(report['family']['variants'])} "
+                          "variants broken: " + "; ".join(f"{role}: {why}" for role, why in broken.items()))
 
 
 def _render(report: dict) -> None:
@@ -64,6 +83,13 @@ def _render(report: dict) -> None:
                       gib(pl["ram_bytes"]), gib(pl["vram_bytes"]), "yes" if pl["fits_ram"] else "[red]no[/]",
                       pl["reason"])
         err.print(p)
+        v = Table(title=f"variants of {report['family']['name']}"
+                        + (" (sha256 verified)" if report["family"]["sha256_verified"] else ""))
+        for col in ("role", "status"):
+            v.add_column(col)
+        for role, st in report["family"]["variants"].items():
+            v.add_row(role, "ok" if st["ok"] else f"[red]broken[/]: {escape(st['problem'])}")
+        err.print(v)
         err.print(f"provenance: {report['family']['provenance']}")
         c = report.get("calibration")
         if c:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -16,7 +17,43 @@ FamilyOpt = typer.Option(None, "--family", help=f"Family folder (default: ${FAMI
 PolicyOpt = typer.Option(DEFAULT_POLICY, "--policy", help=policy_help())
 ConfigOpt = typer.Option(None, "--config", help="Router config (TOML, [router] table); default ./specquant.toml")
 JsonOpt = typer.Option(False, "--json", help="JSON on stdout (one object per answer or report)")
-CtxOpt = typer.Option(4096, "--ctx", min=256, help="Context size")
+MAX_CTX = 1 << 20
+CtxOpt = typer.Option(4096, "--ctx", min=256, max=MAX_CTX, help="Context size (tokens)")
+ThreadsOpt = typer.Option(0, "--threads", min=0, max=1024, help="Quantizer threads (0 = all cores)")
+SeedOpt = typer.Option(None, "--seed", min=0, max=2**64 - 1, help="Same seed, same sampled output")
+
+
+def finite(value: Optional[float]) -> Optional[float]:
+    """Option callback: a float option must be a finite number (click's ranges let inf and nan through)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+TemperatureOpt = typer.Option(0.0, "--temperature", min=0.0, callback=finite, help="0 = greedy")
+TopPOpt = typer.Option(1.0, "--top-p", min=0.0, max=1.0, callback=finite)
+
+
+def split_list(value: Optional[str], option: str, what: str) -> Optional[list[str]]:
+    """A comma-separated option as a list of distinct non-empty items; None when not given."""
+    from specquant_cli.errors import InputError
+
+    if value is None:
+        return None
+    items = list(dict.fromkeys(x.strip() for x in value.split(",") if x.strip()))
+    if not items:
+        raise InputError(f"{option} {value!r}: no {what} given")
+    return items
+
+
+def warn_above_trained_ctx(fam, n_ctx: int) -> None:
+    """--ctx above the model's trained context works in llama.cpp, but quality degrades past it: say so."""
+    from specquant_cli.console import err
+
+    trained = fam.hparams.get("context_length")
+    if trained and n_ctx > trained:
+        err.print(f"warning: --ctx {n_ctx} is above the model's trained context ({trained} tokens); "
+                  "answers past it degrade", markup=False)
 
 
 def load_family(path: Optional[Path]):

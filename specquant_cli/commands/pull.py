@@ -5,6 +5,7 @@ from pathlib import Path
 
 import typer
 
+from specquant_cli.commands.options import ThreadsOpt
 from specquant_cli.console import byte_progress, err, gib
 from specquant_cli.family.fetch import FAMILIES
 
@@ -17,7 +18,7 @@ def pull(
     name: str = typer.Argument(..., help="One of: " + ", ".join(FAMILIES)),
     models_dir: Path = typer.Option(Path("models"), "--models-dir", help="Where families live"),
     force: bool = typer.Option(False, "--force", help="Rebuild even when a verified family is present"),
-    threads: int = typer.Option(0, "--threads", help="Quantizer threads (0 = all cores)"),
+    threads: int = ThreadsOpt,
 ) -> None:
     from specquant_cli.family import fetch
 
@@ -31,7 +32,8 @@ def pull(
                 tasks[stage] = prog.add_task(stage, total=total)
             prog.update(tasks[stage], completed=done, total=max(total, done))
 
-        fam, built = fetch.pull(name, models_dir, force=force, threads=threads, progress=progress)
+        fam, built = fetch.pull(name, models_dir, force=force, threads=threads, progress=progress,
+                                warn=lambda t: prog.console.print(f"warning: {t}", markup=False))
     verb = "built" if built else "present and verified (size + sha256); nothing fetched"
     err.print(f"{fam.name}: {verb} in {time.perf_counter() - t0:.1f}s at {fam.root}")
     for role in fam.roles():

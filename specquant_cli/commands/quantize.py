@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import JsonOpt
+from specquant_cli.commands.options import JsonOpt, ThreadsOpt
 from specquant_cli.console import byte_progress, err, gib, out_json
 from specquant_cli.family.quantize import DEFAULT_TYPES
 
@@ -19,16 +19,29 @@ def register(app: typer.Typer) -> None:
 def quantize(
     base: Path = typer.Argument(..., help="Base model: GGUF with F16/BF16/F32 weights"),
     out: Optional[Path] = typer.Option(None, "--out", help="Family folder (default: models/<base name>)"),
-    types: str = typer.Option(",".join(DEFAULT_TYPES), "--types", help="Comma-separated types"),
-    threads: int = typer.Option(0, "--threads", help="Quantizer threads (0 = all cores)"),
+    types: str = typer.Option(",".join(DEFAULT_TYPES), "--types",
+                              help="Comma-separated types, and/or draft recipes added to the family as roles: "
+                                   "q4i (imatrix Q4_0), q4s (Q4_0 embeddings/output), q3g (graded ~3.5 bpw), "
+                                   "q3g30 (graded ~3.0 bpw)"),
+    grade: Optional[float] = typer.Option(None, "--grade",
+                                          help="Graded precision to this average bits per weight (with one base "
+                                               "type: --types q4_0 --grade 3.5); needs calibrate-activations"),
+    role: Optional[str] = typer.Option(None, "--role", help="Role name of the --grade variant (default q<B>g<BB>)"),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix GGUF for the recipes "
+                                           "(default: the family's imatrix.gguf from calibrate-activations)"),
+    ladder: Optional[str] = typer.Option(None, "--ladder", help="Types a graded variant may use "
+                                         "(default q2_k,q3_k,q4_0,q5_0,q8_0)"),
+    threads: int = ThreadsOpt,
     force: bool = typer.Option(False, "--force", help="Rewrite variants that already exist"),
     allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Accept an already-quantized base"),
     json_out: bool = JsonOpt,
 ) -> None:
     from specquant_cli.family.ggufio import read_info
     from specquant_cli.family.quantize import parse_types, quantize_family
+    from specquant_cli.family.recipes import add_variants, split_types
 
-    qtypes = parse_types(types)
+    plain, recipes = split_types(types, grade, role, ladder)
+    qtypes = parse_types(plain) if plain or not recipes else []  # neither: parse_types names the empty --types
     info = read_info(base)
     out_dir = out or Path("models") / base.stem.removesuffix("-f16").removesuffix(".f16")
     t0 = time.perf_counter()
@@ -40,8 +53,13 @@ def quantize(
                 tasks[name] = prog.add_task(f"quantize {name}", total=total)
             prog.update(tasks[name], completed=done, total=max(total, done))
 
-        manifest = quantize_family(base, out_dir, qtypes, threads=threads, force=force,
-                                   allow_requantize=allow_requantize, progress=progress)
+        if qtypes:
+            manifest = quantize_family(base, out_dir, qtypes, threads=threads, force=force,
+                                       allow_requantize=allow_requantize, progress=progress,
+                                       warn=lambda t: prog.console.print(f"warning: {t}", markup=False))
+        if recipes:
+            manifest = add_variants(out_dir, recipes, base=base, imatrix_path=imatrix, threads=threads, force=force,
+                                    progress=progress, say=lambda t: prog.console.print(t, markup=False))
     err.print(f"{info.arch} base, {info.n_params / 1e6:.0f}M params -> {out_dir} in {time.perf_counter() - t0:.1f}s")
     for role, v in manifest["variants"].items():
         err.print(f"  {role:4} {v['type']:7} {gib(v['size_bytes'])}  {v['bits_per_weight']:.2f} bpw  {v['path']}")

@@ -30,9 +30,12 @@ def route(
 
     check_policy(policy)
     text = read_prompt(prompt)
+    router_config = load_config(config)
     fam = load_family(family)
     runtime = Runtime(fam)
-    router = Router(load_config(config), runtime.count_tokens)
+    # a prompt longer than the model's trained context (or the default --ctx) fits no chat: refused early
+    limit = max(runtime.n_ctx, fam.hparams.get("context_length") or 0)
+    router = Router(router_config, runtime.count_tokens, max_tokens=limit)
     session = ChatSession(runtime, router, policy)
     # routing loads no model weights: the auto policy uses the cached calibration, or priors without one
     r, plan = session.plan(text, measure=False)

@@ -24,7 +24,9 @@ class DraftHost(Protocol):
 
     def context(self, role: str) -> TokenContext: ...
 
-    def drafter(self, name: str, target: str) -> Drafter: ...
+    scope: str  # the policy being built for (persistent drafters are kept per scope)
+
+    def drafter(self, name: str, target: str, scope: str = "") -> Drafter: ...
 
     def verify_cost(self) -> Callable[[int], float]:
         """A parent call on n tokens relative to one token (measured, or the prior shape)."""
@@ -82,7 +84,7 @@ def _suffix(host: DraftHost, target: str) -> Drafter:
 def _suffix_then_q4(host: DraftHost, target: str) -> Drafter:
     from specquant_cli.decoding.drafters import FallbackDrafter
 
-    return FallbackDrafter(host.drafter("suffix", target), _model("q4")(host, target), activate_after=0,
+    return FallbackDrafter(host.drafter("suffix", target, host.scope), _model("q4")(host, target), activate_after=0,
                            model_gamma=host.model_gamma("q4", 4))
 
 
@@ -103,6 +105,11 @@ for _spec in (
     DrafterSpec("q4", ("q4",), _model("q4"), help="the q4 variant drafts (imports the parent's KV cache)"),
     DrafterSpec("q4-prefill", ("q4",), _model("q4", kv_import=False), help="the q4 variant drafts, own prefill"),
     DrafterSpec("q8", ("q8",), _model("q8"), help="the q8 variant drafts"),
+    # Draft recipes (family.recipes; specquant quantize --types q4i,q4s,q3g,q3g30): any role drafts the same way.
+    DrafterSpec("q4i", ("q4i",), _model("q4i"), help="the q4i variant (imatrix Q4_0) drafts"),
+    DrafterSpec("q4s", ("q4s",), _model("q4s"), help="the q4s variant (Q4_0, embeddings/output Q4_0) drafts"),
+    DrafterSpec("q3g", ("q3g",), _model("q3g"), help="the q3g variant (graded, ~3.5 bits per weight) drafts"),
+    DrafterSpec("q3g30", ("q3g30",), _model("q3g30"), help="the q3g30 variant (graded, ~3.0 bits per weight) drafts"),
     DrafterSpec("ngram+q4", ("q4",), _ngram_then_q4,
                 help="n-gram drafts when the context offers them, q4 drafts after 32 tokens otherwise"),
     DrafterSpec("suffix", (), _suffix, persistent=True,

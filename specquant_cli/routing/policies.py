@@ -85,7 +85,7 @@ def register_policy(spec: PolicySpec) -> PolicySpec:
 for _spec in (
     PolicySpec("auto", "per prompt, the plan with the best predicted speedup from this machine's measured "
                "costs, the route and the prompt's copy potential (parent, `suffix`, `q4`, `suffix+q4`, …); "
-               "never one predicted below 1.0x", planner=_auto, roles=("q4",)),
+               "never one predicted below 1.0x", planner=_auto, roles=("q4", "q8")),
     PolicySpec("paper", "low → `q4` drafts, F16 verifies; medium → `q8` drafts, F16 verifies; high → F16 alone",
                by_tier={"low": "q4", "medium": "q8", "high": None}),
     PolicySpec("parent", "F16 alone"),
@@ -93,6 +93,13 @@ for _spec in (
     PolicySpec("spec-q8", "`q8` drafts, F16 verifies", drafter="q8"),
     PolicySpec("spec-q4-prefill", "`q4` drafts after its own prompt prefill (no KV import), F16 verifies",
                drafter="q4-prefill", in_bench=False),
+    PolicySpec("spec-q4i", "`q4i` (imatrix Q4_0) drafts, F16 verifies", drafter="q4i", in_bench=False),
+    PolicySpec("spec-q4s", "`q4s` (Q4_0 with Q4_0 embeddings and output) drafts, F16 verifies", drafter="q4s",
+               in_bench=False),
+    PolicySpec("spec-q3g", "`q3g` (graded precision, ~3.5 bits per weight) drafts, F16 verifies", drafter="q3g",
+               in_bench=False),
+    PolicySpec("spec-q3g30", "`q3g30` (graded precision, ~3.0 bits per weight) drafts, F16 verifies",
+               drafter="q3g30", in_bench=False),
     PolicySpec("ngram", "prompt-lookup n-gram drafts (no model call), F16 verifies", drafter="ngram"),
     PolicySpec("suffix", "suffix-match drafts over the prompt, the answer and the session's earlier turns (no "
                "model call), draft length from match length and measured costs, F16 verifies", drafter="suffix",

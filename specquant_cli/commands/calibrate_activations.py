@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specquant_cli.commands.options import FamilyOpt, JsonOpt, load_family
+from specquant_cli.console import err, out_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command("calibrate-activations",
+                help="Collect the F16's activation statistics (an importance matrix) over a calibration text through "
+                     "llama.cpp's eval callback; stored as imatrix.gguf in the family folder, for the q4i/q3g "
+                     "draft recipes of specquant quantize.")(calibrate_activations)
+
+
+def calibrate_activations(
+    family: Optional[Path] = FamilyOpt,
+    calibration: Optional[Path] = typer.Option(None, "--calibration",
+                                               help="UTF-8 text to calibrate on (default: the built-in mixed set of "
+                                                    "chat, code and prose, ~4k tokens)"),
+    tokens: int = typer.Option(4096, "--tokens", min=16, help="Use at most this many calibration tokens"),
+    chunk: int = typer.Option(512, "--chunk", min=32, max=8192, help="Tokens per forward pass (a fresh cache each)"),
+    threads: int = typer.Option(0, "--threads", min=0, help="llama.cpp threads (0 = the default)"),
+    json_out: bool = JsonOpt,
+) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specquant_cli.family.imatrix import calibrate_family
+
+    fam = load_family(family)
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                  TimeElapsedColumn(), console=err, transient=False) as prog:
+        task = prog.add_task(f"activations of {fam.name} f16", total=None)
+
+        def progress(done: int, total: int) -> None:
+            prog.update(task, completed=done, total=total)
+
+        rec = calibrate_family(fam, calibration, tokens, chunk, threads or None, progress)
+    if json_out:
+        out_json(rec)
+        return
+    err.print(f"{rec['entries']} weight matrices, {rec['tokens']} tokens in {rec['chunks']} chunks of "
+              f"{rec['chunk_size']} ({time.perf_counter() - t0:.1f}s) -> {fam.root / rec['file']}", markup=False)
+    err.print(f"  calibration {rec['calibration']['source']} sha256 {rec['calibration']['sha256'][:16]}…",
+              markup=False)

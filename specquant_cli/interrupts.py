@@ -1,0 +1,50 @@
+"""Signals: SIGTERM is handled like Ctrl-C, and a few short critical sections defer both.
+
+Ctrl-C and SIGTERM raise KeyboardInterrupt in the main thread, so every `finally` (temp files removed,
+child processes killed, models freed) runs for both; the CLI edge turns it into exit code 130."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+DEFERRED = (signal.SIGINT, signal.SIGTERM)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: stops like Ctrl-C, but also ends an interactive session (which Ctrl-C does not)."""
+
+
+_terminated = False
+
+
+def terminated() -> bool:
+    """Whether SIGTERM arrived (an interactive loop checks it, since a stopped answer swallows the interrupt)."""
+    return _terminated
+
+
+def _on_term(signum, frame) -> None:  # noqa: ARG001
+    global _terminated
+    _terminated = True
+    raise Terminated()
+
+
+def install() -> None:
+    """Make SIGTERM behave like Ctrl-C. Only the main thread may install handlers."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_term)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM back while the block runs (a few renames); they are delivered right after it."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
