@@ -8,4 +8,4 @@ specquant doctor --family "$FAMILY"
 echo "== echo '…' | specquant chat --stats" >&2
 echo "Explain in two sentences why the sky is blue." | specquant chat --family "$FAMILY" --max-tokens 96 --stats
 echo "== specquant bench (short: 2 prompts, 2 policies)" >&2
-specquant bench --family "$FAMILY" --categories qa,code --limit 1 --policies parent,adaptive --max-tokens 32
+specquant bench --family "$FAMILY" --categories qa,code --limit 1 --policies parent,auto --max-tokens 32

@@ -31,6 +31,7 @@ class Runtime:
         self._ctx: dict[str, Context] = {}
         self._vocab: Optional[Model] = None
         self._drafters: dict[str, Drafter] = {}  # persistent drafters, kept across requests
+        self.scope = ""  # the policy whose drafter is being built
         self._calibration = None
         self.auto_state = None  # the auto policy's session measurements (routing.auto.AutoState)
 
@@ -74,10 +75,13 @@ class Runtime:
         self.ensure([role])
         return self._ctx[role]
 
-    def drafter(self, name: str, target: str) -> Drafter:
-        """The named drafter, built from its registry spec; a persistent one is kept for the session."""
+    def drafter(self, name: str, target: str, scope: str = "") -> Drafter:
+        """The named drafter, built from its registry spec; a persistent one is kept for the session, one per
+        `scope` (the policy: what one policy's drafter remembers never feeds another's, so a bench that runs
+        several policies on the same prompt does not hand one the answer another just produced)."""
         spec = drafter_spec(name)
-        key = f"{name}>{target}"
+        key = f"{scope}:{name}>{target}"
+        self.scope = scope
         if spec.persistent and key in self._drafters:
             return self._drafters[key]
         self.ensure([target, *spec.roles])
@@ -125,8 +129,9 @@ class Runtime:
         c = self.calibration(measure=False)
         prior = {n: s for n, s in c.parent_call_s.items()} if c else None
         draft = c.draft_step_s.get(role) if c else None
+        alpha = min(0.95, c.agreement.get(role, 0.5)) if c else 0.5  # capped: 159 tokens cannot promise more
         return AdaptiveGamma(g_max=max(ADAPTIVE_G_MAX, self.gamma), g_init=g_init, verify_prior=prior,
-                             draft_prior=draft)
+                             draft_prior=draft, alpha_prior=alpha)
 
     def engine(self, plan: Plan, sp: SamplingParams) -> Engine:
         """An engine for `plan`: loads the plan's roles (placement-checked), builds its drafter and γ policy.
@@ -135,7 +140,7 @@ class Runtime:
             plan: from `routing.policies.plan_for` (or a policy's own planner).
             sp: sampling parameters; greedy when temperature is 0."""
         self.ensure(plan.roles)
-        drafter = self.drafter(plan.draft, plan.target) if plan.draft else None
+        drafter = self.drafter(plan.draft, plan.target, plan.policy) if plan.draft else None
         if drafter is None:
             gamma = FixedGamma(0)
         elif plan.gamma_cap:

@@ -83,7 +83,7 @@ def test_paper_policy_maps_tiers():
 
 
 def test_route_command_json(family_dir):
-    r = run_cli(["route", LONG, "--json", "--family", str(family_dir)])
+    r = run_cli(["route", LONG, "--json", "--family", str(family_dir), "--policy", "paper"])
     assert r.exit_code == 0, r.stderr
     import json
 

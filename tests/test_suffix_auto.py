@@ -71,7 +71,13 @@ def cal(step_ratio, calls=None):
 def test_auto_never_picks_a_plan_predicted_below_the_parent():
     cands = auto.candidates("medium", 0.0, ("f16", "q4", "q8"), cal(step_ratio=2.0))
     best = auto.choose(cands)
-    assert best.drafter is None and all(c.predicted <= 1.0 for c in cands if c.drafter)
+    assert all(c.predicted <= 1.0 for c in cands if c.drafter in ("q4", "q8"))
+    assert best.drafter in (None, "suffix") and best.predicted >= 1.0  # draft-free costs nothing unmatched
+
+
+def test_auto_model_drafts_need_a_margin_over_the_parent():
+    barely = [auto.Candidate("parent", None, 1.0, 0, ""), auto.Candidate("q4", "q4", 1.03, 3, "", needs=1.08)]
+    assert auto.choose(barely).drafter is None
 
 
 def test_auto_picks_a_cheap_accurate_draft():
@@ -87,6 +93,7 @@ def test_auto_follows_what_the_session_measured():
         state.observe("medium", "q8", 0.7)
     cands = auto.candidates("medium", 0.0, ("f16", "q4", "q8"), cal(step_ratio=0.2), state)
     assert auto.choose(cands).drafter in (None, "suffix")  # measured slow drafts lose to their priors
+    assert {c.source for c in cands if c.drafter in ("q4", "q8", "suffix+q4")} == {"session"}
 
 
 def test_copy_potential_is_higher_for_repetitive_long_context():
@@ -111,3 +118,18 @@ def test_auto_and_suffix_are_lossless(family_dir, policy):
     r = run_cli(args + ["--policy", policy])
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["text"] == parent["text"]
+
+
+def test_expected_run_tokens_counts_runs_of_agreement():
+    from specquant_cli.system.calibration import expected_run_tokens
+
+    hits = [True, True, False, True]  # runs from each position: 2, 1, 0, 1
+    assert expected_run_tokens(hits, 3) == [1 + 3 / 4, 1 + 4 / 4, 1 + 4 / 4]
+    assert expected_run_tokens([[True, True], [True]], 2) == pytest.approx([2.0, 1 + 4 / 3], abs=1e-4)
+
+
+def test_draft_cycle_pays_the_catch_up_pair_only_after_full_accepts():
+    c = Calibration({1: 0.1}, {"q4": 0.01}, {}, {}, {"q4": [2.0, 2.5]}, {"q4": 0.016})
+    # g=1: p_full = E(1) - 1 = 1.0 -> one pair; g=2: p_full = 0.5 -> half a pair, half a step, + 1 step
+    assert c.draft_cycle("q4", 1) == pytest.approx(0.16)
+    assert c.draft_cycle("q4", 2) == pytest.approx((0.5 * 0.016 + 0.5 * 0.01 + 0.01) / 0.1)

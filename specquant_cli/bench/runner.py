@@ -69,11 +69,13 @@ def warm_up(runtime: Runtime, roles: Sequence[str], runs: int) -> None:
 def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Sequence[str], max_tokens: int,
         sp: SamplingParams, repeats: int = 1, warmup: int = 1,
         progress: Optional[Callable[[Record], None]] = None) -> list[Record]:
-    from specquant_cli.routing.policies import plan_for
+    from specquant_cli.routing.policies import POLICIES, all_roles
 
-    roles = sorted({r for p in policies for t in ("low", "medium", "high") for r in plan_for(p, t).roles})
+    roles = all_roles(list(policies))
     runtime.ensure(roles)
     warm_up(runtime, roles, warmup)
+    if any(POLICIES[p].planner is not None for p in policies):
+        runtime.calibration()  # measured (once per machine) before anything is timed
     records: list[Record] = []
     for item in items:
         parent_tokens = None

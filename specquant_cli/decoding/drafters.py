@@ -166,10 +166,12 @@ class FallbackDrafter(DrafterBase):
         return self.then.n_ctx
 
     def prepare(self, seq: Sequence[int]) -> Optional[Prepared]:
+        """The model drafter prepares now only when it may draft from the first cycle (activate_after 0:
+        with a KV import that costs milliseconds); otherwise when it first drafts."""
         self._prompt_len = len(seq)
-        self._active = False
+        self._active = self.activate_after == 0
         self.first.prepare(seq)
-        return None
+        return self.then.prepare(seq) if self._active else None
 
     def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft:
         d = self.first.propose(seq, n, sp, rng)

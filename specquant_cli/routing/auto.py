@@ -21,9 +21,17 @@ from specquant_cli.decoding.gamma import expected_tokens, verify_shape
 # family: 89 %; lower on a true F16 base, see the provenance caveat), and of q8.
 ALPHA_PRIOR = {"q4": 0.85, "q8": 0.95}
 DRAFT_RATIO_PRIOR = {"q4": 0.4, "q8": 0.7}  # a draft step relative to a one-token parent call (CPU)
-COPY_GAIN = 2.0  # decode speedup of draft-free drafts on text that is all copy runs (prior)
+# Copy runs: the share of an answer that repeats its context is taken to be the prompt's copy potential,
+# and suffix drafts speed those tokens up by COPY_GAIN (prior: 3.3-3.6 tokens per parent call at ~1.2
+# one-token costs per call, measured on Spec-Bench summarization); the rest runs at the parent's pace, or
+# at a model draft's when one fills in between copy runs.
+COPY_GAIN = 2.5
 LEARN_RATE = 0.3  # weight of one measured answer in the session's estimate
 MAX_GAMMA = 8
+# A model draft must be predicted this much above the parent to run: the cost model uses the fastest of
+# several calibration timings, so it is optimistic by a few percent. Draft-free drafts need no margin: when nothing
+# matches they propose nothing and the cycle is a plain parent step.
+MODEL_MARGIN = 1.03
 
 
 def copy_potential(tokens: Sequence[int], n: int = 3) -> float:
@@ -50,6 +58,7 @@ class Candidate:
     gamma: int
     why: str
     source: str = "prior"  # prior | session (measured this session)
+    needs: float = 1.0  # predicted speedup it must reach to run (MODEL_MARGIN for model drafts)
 
 
 @dataclass
@@ -63,10 +72,13 @@ class AutoState:
         self.measured[(tier, drafter)] = speedup if old is None else (1 - LEARN_RATE) * old + LEARN_RATE * speedup
 
 
-def _model_speedup(alpha: float, draft_ratio: float, verify_cost) -> tuple[float, int]:
+def _model_speedup(alpha: float, draft_cost, verify_cost, per_cycle=None) -> tuple[float, int]:
+    """Best predicted decode speedup over draft lengths, with the tokens a cycle yields taken from the
+    calibration's measured runs when there are some, else from the geometric model E(alpha, g)."""
     best, best_g = 1.0, 0
     for g in range(1, MAX_GAMMA + 1):
-        s = expected_tokens(alpha, g) / (g * draft_ratio + verify_cost(g + 1))
+        tokens = per_cycle[g - 1] if per_cycle and len(per_cycle) >= g else expected_tokens(alpha, g)
+        s = tokens / (draft_cost(g) + verify_cost(g + 1))
         if s > best * 1.01:
             best, best_g = s, g
     return best, best_g
@@ -77,20 +89,25 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
     """Every plan's predicted decode speedup, best first."""
     vc = calibration.verify_cost if calibration else verify_shape
     out = [Candidate("parent", None, 1.0, 0, "the floor: F16 alone")]
-    suffix = 1.0 + (COPY_GAIN - 1.0) * copy
-    out.append(Candidate("suffix", "suffix", suffix, 32, f"draft-free: copy potential {copy:.2f}"))
+    suffix = 1.0 / (copy / COPY_GAIN + (1.0 - copy))
+    out.append(Candidate("suffix", "suffix", suffix, 32, f"draft-free, nothing lost when nothing matches: copy "
+                                                       f"potential {copy:.2f}"))
     for role in ("q4", "q8"):
         if role not in roles:
             continue
         ratio = (calibration.draft_ratio(role) if calibration else None) or DRAFT_RATIO_PRIOR[role]
-        s, g = _model_speedup(ALPHA_PRIOR[role], ratio, vc)
+        alpha = (calibration.agreement.get(role) if calibration else None) or ALPHA_PRIOR[role]
+        runs = calibration.tokens_per_cycle.get(role) if calibration else None
+        cycle = (lambda g, r=role: calibration.draft_cycle(r, g)) if calibration and role in \
+            calibration.draft_step_s else (lambda g, k=ratio: g * k)
+        s, g = _model_speedup(alpha, cycle, vc, runs)
         out.append(Candidate(role, role, s, g, f"{role} step {ratio:.2f}x a parent step, acceptance prior "
-                                               f"{ALPHA_PRIOR[role]:.0%}, best draft length {g}"))
+                                               f"{alpha:.0%}, best draft length {g}", needs=MODEL_MARGIN))
         if role == "q4":
-            # free drafts cover the copy share of the answer, q4 drafts the rest (harmonic mix of rates)
-            share = 0.5 * copy
-            mix = 1.0 / (share / COPY_GAIN + (1 - share) / s) if s > 1.0 else suffix
-            out.append(Candidate("suffix+q4", "suffix+q4", mix, g, "suffix drafts on copy runs, q4 elsewhere"))
+            # suffix drafts cover the copy share of the answer, q4 drafts the rest: time per token adds up
+            mix = 1.0 / (copy / COPY_GAIN + (1.0 - copy) / s) if s > 1.0 else suffix
+            out.append(Candidate("suffix+q4", "suffix+q4", mix, g, "suffix drafts on copy runs, q4 elsewhere",
+                                 needs=MODEL_MARGIN))
     if state:
         for c in out:
             m = state.measured.get((tier, c.name))
@@ -100,8 +117,9 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
 
 
 def choose(cands: list[Candidate]) -> Candidate:
-    """The best candidate; the parent when nothing is predicted to beat it."""
-    best = cands[0]
-    if best.predicted < 1.0 or best.drafter is None:
+    """The best candidate that clears its bar (a draft-free one wins ties with the parent); the parent when
+    none does. Never a plan predicted below 1.0x."""
+    ok = [c for c in cands if c.drafter is not None and c.predicted >= c.needs]
+    if not ok:
         return next(c for c in cands if c.drafter is None)
-    return best
+    return max(ok, key=lambda c: (round(c.predicted, 3), "suffix" in c.name))  # ties: the free drafts too

@@ -91,6 +91,9 @@ def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: O
     check_policy(opts.policy)
     for p in opts.policies:
         check_policy(p)
+    if not opts.policies:  # every registered policy this family has the roles for
+        have = set(family.roles())
+        opts.policies = [p for p in POLICIES if set(all_roles([p])) <= have]
     if opts.policies and opts.policy not in opts.policies:
         raise InputError(f"--policy {opts.policy} must be one of --policies ({', '.join(opts.policies)})")
     runtime = Runtime(family, n_ctx=n_ctx, gamma=gamma, threads=threads)

@@ -45,7 +45,7 @@ class Placement:
         return asdict(self)
 
 
-def plan(facts: Facts, parent: ModelNeed, draft: Optional[ModelNeed] = None) -> Placement:
+def place(facts: Facts, parent: ModelNeed, draft: Optional[ModelNeed] = None) -> Placement:
     """Pure function: hardware facts + what the models need -> where each one runs."""
     models = [parent] + ([draft] if draft else [])
     usable = 0
@@ -86,20 +86,20 @@ def need(fam, role: str, n_ctx: int) -> ModelNeed:
     return ModelNeed(role, fam.size(role), kv_cache_bytes(hp, n_ctx), int(hp.get("block_count", 0)))
 
 
-def plan_pair(facts: Facts, fam, parent: str, draft: Optional[str], n_ctx: int) -> Placement:
-    return plan(facts, need(fam, parent, n_ctx), need(fam, draft, n_ctx) if draft else None)
+def place_pair(facts: Facts, fam, parent: str, draft: Optional[str], n_ctx: int) -> Placement:
+    return place(facts, need(fam, parent, n_ctx), need(fam, draft, n_ctx) if draft else None)
 
 
-def family_plans(facts: Facts, fam, n_ctx: int) -> dict:
+def family_placements(facts: Facts, fam, n_ctx: int) -> dict:
     roles = set(fam.roles())
-    return {name: plan_pair(facts, fam, p, d, n_ctx).to_dict() for name, (p, d) in PAIRS.items()
+    return {name: place_pair(facts, fam, p, d, n_ctx).to_dict() for name, (p, d) in PAIRS.items()
             if p in roles and (d is None or d in roles)}
 
 
 def require_fit(facts: Facts, fam, roles: list[str], n_ctx: int) -> Placement:
     """Refuse, before loading anything, a set of models that does not fit where it would run."""
     parent, *rest = roles
-    pl = plan(facts, need(fam, parent, n_ctx), need(fam, rest[0], n_ctx) if rest else None)
+    pl = place(facts, need(fam, parent, n_ctx), need(fam, rest[0], n_ctx) if rest else None)
     extra = sum(need(fam, r, n_ctx).total for r in rest[1:])  # further roles run on the CPU
     ram = pl.ram_bytes + extra
     if not fits_ram(facts, ram):
