@@ -56,6 +56,22 @@ DEFAULT_PROVENANCE = "user-supplied base; origin not recorded"
 MAX_THREADS = 1024
 
 
+def run_child(cmd: list[str], log_fd, watched: Path, tick) -> int:
+    """Run a quantizer child process (its own session, so a terminal's Ctrl-C reaches us, not it), calling
+    tick(bytes written to `watched`) while it runs; an interruption kills it before its file is removed."""
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, start_new_session=True)
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                tick(watched.stat().st_size if watched.exists() else 0)
+    finally:
+        if proc.poll() is None:  # interrupted: stop the quantizer before its temp file is removed
+            proc.kill()
+            proc.wait()
+
+
 def parse_types(spec: str | Sequence[str]) -> list[QuantType]:
     names = [s.strip().lower() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
     if not names:
@@ -101,19 +117,7 @@ def quantize_one(src: Path, dst: Path, q: QuantType, expected: int, threads: int
            q.ftype_const, str(threads), "1" if allow_requantize else "0", str(os.getpid())]
     done = False
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, start_new_session=True)
-        try:
-            while True:
-                try:
-                    rc = proc.wait(timeout=0.2)
-                    break
-                except subprocess.TimeoutExpired:
-                    if progress:
-                        progress(q.name, tmp.stat().st_size if tmp.exists() else 0, expected)
-        finally:
-            if proc.poll() is None:  # interrupted: stop the quantizer before its temp file is removed
-                proc.kill()
-                proc.wait()
+        rc = run_child(cmd, log_fd, tmp, lambda n: progress and progress(q.name, n, expected))
         if rc != 0:
             raise LlamaError(f"llama_model_quantize failed for {q.name} (exit code {rc}); see {dst.parent / LOG}")
         size = tmp.stat().st_size

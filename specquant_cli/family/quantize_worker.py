@@ -22,8 +22,9 @@ def _exit_when_orphaned(parent: int) -> None:
         time.sleep(0.1)
 
 
-def main(argv: list[str]) -> int:
-    src, dst, ftype, nthread, allow, parent = argv
+def start_worker(parent: str):
+    """The common start of a quantizer child: exit when orphaned, llama.cpp's log to stderr. Returns
+    llama_cpp and the log callback (keep it referenced while llama.cpp may call it)."""
     threading.Thread(target=_exit_when_orphaned, args=(int(parent),), daemon=True).start()
     import llama_cpp
 
@@ -35,6 +36,12 @@ def main(argv: list[str]) -> int:
             pass
 
     llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
+    return llama_cpp, log
+
+
+def main(argv: list[str]) -> int:
+    src, dst, ftype, nthread, allow, parent = argv
+    llama_cpp, _log = start_worker(parent)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, ftype)
     params.nthread = int(nthread)

@@ -17,16 +17,7 @@ import ctypes
 import json
 import os
 import sys
-import threading
-import time
 from pathlib import Path
-
-
-def _exit_when_orphaned(parent: int) -> None:
-    while True:
-        if os.getppid() != parent:
-            os._exit(3)
-        time.sleep(0.1)
 
 
 def ggml_type(llama_cpp, name: str) -> int:
@@ -62,19 +53,11 @@ def overrides_array(llama_cpp, pairs):
 
 
 def main(argv: list[str]) -> int:
+    from specquant_cli.family.quantize_worker import start_worker
+
     spec_path, parent = argv
-    threading.Thread(target=_exit_when_orphaned, args=(int(parent),), daemon=True).start()
+    llama_cpp, _log = start_worker(parent)
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
-    import llama_cpp
-
-    @llama_cpp.llama_log_callback
-    def log(level, text, user_data):  # noqa: ARG001
-        try:
-            os.write(2, text)
-        except OSError:
-            pass
-
-    llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, spec["ftype"])
     params.nthread = int(spec.get("nthread") or 0)

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -119,21 +118,11 @@ def _run_worker(spec: dict, dst_tmp: Path, expected: int, label: str, log_fd: in
                 progress: Optional[ProgressFn]) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, encoding="utf-8") as f:
         json.dump(spec, f)
+    from specquant_cli.family.quantize import run_child
+
     cmd = [sys.executable, "-m", "specquant_cli.family.recipe_worker", f.name, str(os.getpid())]
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, start_new_session=True)
-        try:
-            while True:
-                try:
-                    rc = proc.wait(timeout=0.2)
-                    break
-                except subprocess.TimeoutExpired:
-                    if progress:
-                        progress(label, dst_tmp.stat().st_size if dst_tmp.exists() else 0, expected)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        rc = run_child(cmd, log_fd, dst_tmp, lambda n: progress and progress(label, n, expected))
     finally:
         os.unlink(f.name)
     if rc != 0:
