@@ -81,9 +81,11 @@ class SuffixDrafter(DrafterBase):
             self.index[gram].append(n - 1)
 
     def _extend(self, seq: Sequence[int]) -> None:
-        """Append the part of `seq` not stored yet; a sequence that is not a continuation starts a new doc."""
-        stored = self.store[self._doc_start:self._doc_start + self._doc_len]
-        if self._doc_len > len(seq) or list(seq[:self._doc_len]) != stored:
+        """Append the part of `seq` not stored yet; a sequence that is not a continuation starts a new doc.
+        Runs once per draft cycle: within a generation `seq` only grows (prepare starts each generation),
+        so the last stored token is checked instead of the whole prefix."""
+        n = self._doc_len
+        if n > len(seq) or (n and seq[n - 1] != self.store[self._doc_start + n - 1]):
             self._new_doc()
         for t in seq[self._doc_len:]:
             self._push(int(t))
