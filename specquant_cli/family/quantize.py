@@ -59,15 +59,25 @@ MAX_THREADS = 1024
 def run_child(cmd: list[str], log_fd, watched: Path, tick) -> int:
     """Run a quantizer child process (its own session, so a terminal's Ctrl-C reaches us, not it), calling
     tick(bytes written to `watched`) while it runs; an interruption kills it before its file is removed."""
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, start_new_session=True)
+    import signal
+
+    proc = None
     try:
+        # Signals wait while the child starts: an interrupt inside Popen would leave a child we cannot name,
+        # which could (re)create its output file after we removed it. Delivered right after, with proc set.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                                    start_new_session=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
         while True:
             try:
                 return proc.wait(timeout=0.2)
             except subprocess.TimeoutExpired:
                 tick(watched.stat().st_size if watched.exists() else 0)
     finally:
-        if proc.poll() is None:  # interrupted: stop the quantizer before its temp file is removed
+        if proc is not None and proc.poll() is None:  # interrupted: stop the quantizer before its file goes
             proc.kill()
             proc.wait()
 
@@ -111,12 +121,12 @@ def quantize_one(src: Path, dst: Path, q: QuantType, expected: int, threads: int
     growing size, check the result, and return the finished temp file; the caller commits it.
 
     Ctrl-C or SIGTERM kills the child and removes the temp file; nothing under `dst` is touched here."""
-    fd, tmp = create_temp(dst)
-    os.close(fd)
-    cmd = [sys.executable, "-m", "specquant_cli.family.quantize_worker", os.fsdecode(src), os.fsdecode(tmp),
-           q.ftype_const, str(threads), "1" if allow_requantize else "0", str(os.getpid())]
-    done = False
-    try:
+    done, tmp = False, None
+    try:  # from the temp file's creation on: a Ctrl-C right after it must still remove it
+        fd, tmp = create_temp(dst)
+        os.close(fd)
+        cmd = [sys.executable, "-m", "specquant_cli.family.quantize_worker", os.fsdecode(src), os.fsdecode(tmp),
+               q.ftype_const, str(threads), "1" if allow_requantize else "0", str(os.getpid())]
         rc = run_child(cmd, log_fd, tmp, lambda n: progress and progress(q.name, n, expected))
         if rc != 0:
             raise LlamaError(f"llama_model_quantize failed for {q.name} (exit code {rc}); see {dst.parent / LOG}")
@@ -133,7 +143,7 @@ def quantize_one(src: Path, dst: Path, q: QuantType, expected: int, threads: int
         done = True
         return tmp
     finally:
-        if not done:
+        if not done and tmp is not None:
             tmp.unlink(missing_ok=True)
 
 
@@ -148,13 +158,15 @@ def stage_copy(src: Path, dst: Path) -> Path:
             continue
         except OSError:
             break
-    fd, tmp = create_temp(dst)
+    tmp = None
     try:
+        fd, tmp = create_temp(dst)
         with open(fd, "wb") as out, open(src, "rb") as f:
             shutil.copyfileobj(f, out, 16 << 20)
         fsync_file(tmp)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise
     return tmp
 
