@@ -56,6 +56,19 @@ DEFAULT_PROVENANCE = "user-supplied base; origin not recorded"
 MAX_THREADS = 1024
 
 
+def check_output(tmp: Path, label: str, log: Path) -> int:
+    """A quantizer's finished temp file: not empty, a readable GGUF, on disk (fsynced). Returns its size."""
+    size = tmp.stat().st_size
+    if size == 0:
+        raise LlamaError(f"llama_model_quantize wrote nothing for {label}; see {log}")
+    try:
+        read_info(tmp)
+    except ModelFileError as e:
+        raise LlamaError(f"llama_model_quantize wrote an unreadable {label} file ({e})") from None
+    fsync_file(tmp)
+    return size
+
+
 def run_child(cmd: list[str], log_fd, watched: Path, tick) -> int:
     """Run a quantizer child process (its own session, so a terminal's Ctrl-C reaches us, not it), calling
     tick(bytes written to `watched`) while it runs; an interruption kills it before its file is removed."""
@@ -130,14 +143,7 @@ def quantize_one(src: Path, dst: Path, q: QuantType, expected: int, threads: int
         rc = run_child(cmd, log_fd, tmp, lambda n: progress and progress(q.name, n, expected))
         if rc != 0:
             raise LlamaError(f"llama_model_quantize failed for {q.name} (exit code {rc}); see {dst.parent / LOG}")
-        size = tmp.stat().st_size
-        if size == 0:
-            raise LlamaError(f"llama_model_quantize wrote nothing for {q.name}; see {dst.parent / LOG}")
-        try:
-            read_info(tmp)
-        except ModelFileError as e:
-            raise LlamaError(f"llama_model_quantize wrote an unreadable {q.name} file ({e})") from None
-        fsync_file(tmp)
+        size = check_output(tmp, q.name, dst.parent / LOG)
         if progress:
             progress(q.name, size, size)
         done = True

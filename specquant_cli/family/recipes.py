@@ -156,7 +156,7 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
     from specquant_cli.family import imatrix as im
     from specquant_cli.family import manifest as fam
     from specquant_cli.family.ggufio import read_info
-    from specquant_cli.fsutil import create_temp, fsync_file, open_append_nofollow, remove_stale, same_file, sha256_file
+    from specquant_cli.fsutil import create_temp, open_append_nofollow, remove_stale, same_file, sha256_file
 
     say = say or (lambda _t: None)
     root = Path(out_dir)
@@ -215,15 +215,11 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
                 _run_worker(spec, tmp, expected, recipe.role, log_fd, progress)
             finally:
                 os.close(log_fd)
-            if tmp.stat().st_size == 0:
-                raise LlamaError(f"llama_model_quantize wrote nothing for {recipe.role}; see {root / LOG}")
-            try:
-                read_info(tmp)
-            except ModelFileError as e:
-                raise LlamaError(f"llama_model_quantize wrote an unreadable {recipe.role} file ({e})") from None
-            fsync_file(tmp)
+            from specquant_cli.family.quantize import check_output
+
+            size = check_output(tmp, recipe.role, root / LOG)
             if progress:
-                progress(recipe.role, tmp.stat().st_size, tmp.stat().st_size)
+                progress(recipe.role, size, size)
             rec = _record(tmp, recipe, info.n_params, dst.name, sha256_file(tmp))
             renames = [(tmp, dst)]
             if recipe.imatrix:
