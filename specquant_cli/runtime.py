@@ -91,32 +91,95 @@ class Runtime:
         return d
 
     # -- measured costs ---------------------------------------------------------------------------
-    def calibration(self, measure: bool = True):
+    def calibration(self, measure: bool = True, force: bool = False):
         """This machine's measured costs for the family (system.calibration): read from the family folder,
         else measured now (with progress on stderr) and saved there; None when `measure` is False and
-        nothing is cached."""
-        if self._calibration is None:
+        nothing is cached. A cached entry that lacks a draft role the family has gained since (a recipe
+        added by `quantize --types`) is measured again when `measure` is True; `force` measures regardless."""
+        if force:
+            from specquant_cli.system import calibration as cal
+
+            self._calibration = self._measure(cal, cal.fingerprint(self.facts, self.threads))
+        if self._calibration is None or (measure and self._uncalibrated()):
             from specquant_cli.system import calibration as cal
 
             fp = cal.fingerprint(self.facts, self.threads)
             self._calibration = cal.load(self.family.root, fp)
-            if self._calibration is None and measure:
+            if measure and (self._calibration is None or self._uncalibrated()):
                 self._calibration = self._measure(cal, fp)
         return self._calibration
 
+    def draft_roles(self) -> list[str]:
+        """The family's roles that draft as models (q4, q8, recipes such as q4i, q3g)."""
+        from specquant_cli.decoding.registry import model_draft_roles
+
+        return model_draft_roles(self.family.roles())
+
+    def fits(self, roles: list[str]) -> bool:
+        """Whether `roles` (the parent first) fit where they would run (system.placement)."""
+        from specquant_cli.errors import ResourceError
+        from specquant_cli.system.placement import require_fit
+
+        try:
+            require_fit(self.facts, self.family, roles, self.n_ctx)
+            return True
+        except ResourceError:
+            return False
+
+    def plannable_roles(self) -> tuple[str, ...]:
+        """The family's roles a planner may pick now: loaded, or a draft that fits beside what is loaded."""
+        base = [PARENT_ROLE, *(r for r in self.loaded() if r != PARENT_ROLE)]
+        return tuple(r for r in self.family.roles() if r in base or r in self._ctx or self.fits([*base, r]))
+
+    def load_planner_drafts(self) -> list[str]:
+        """Load every calibrated draft a planner may pick (those that fit), so that none loads mid-answer;
+        returns the ones loaded now."""
+        c = self.calibration(measure=False)
+        new = [r for r in self.draft_roles() if c and r in c.draft_step_s and r not in self._ctx]
+        done = []
+        for r in new:
+            if r in self.plannable_roles():
+                self.ensure([r])
+                done.append(r)
+        return done
+
+    def _uncalibrated(self) -> list[str]:
+        c = self._calibration
+        return [r for r in self.draft_roles() if c is None or (r not in c.draft_step_s and r not in c.left_out)]
+
     def _measure(self, cal, fp):
         from specquant_cli.console import err
+        from specquant_cli.errors import ResourceError
 
-        drafts = [r for r in ("q4", "q8") if r in self.family.roles()]
-        self.ensure([PARENT_ROLE, *drafts])
+        before = set(self._ctx)
+        self.ensure([PARENT_ROLE])
+        drafts, skipped = [], []
+        for role in self.draft_roles():  # as many drafts as fit beside the parent; the rest are left out
+            try:
+                self.ensure([role])
+                drafts.append(role)
+            except ResourceError:
+                skipped.append(role)
+        if skipped:
+            err.print(f"calibration: {', '.join(skipped)} left out (not enough memory beside the others); auto "
+                      "will not pick them", markup=False)
         with err.status("calibrating this machine's costs (once per family and machine)") as status:
             c = cal.measure(self.context, PARENT_ROLE, drafts,
                             lambda what, i, n: status.update(f"calibrating: {what} ({i}/{n})"))
+        c.left_out = skipped
         try:
             cal.save(self.family.root, fp, c)
         except OSError as e:
             err.print(f"warning: calibration not saved ({e.strerror}): it is measured again next time", markup=False)
+        self.release([r for r in drafts if r not in before])  # loaded only to be measured
         return c
+
+    def release(self, roles: list[str]) -> None:
+        """Unload `roles` (their models and contexts); a later plan that needs one loads it again."""
+        for r in roles:
+            ctx = self._ctx.pop(r, None)
+            if ctx is not None:
+                ctx.model.close()
 
     def verify_cost(self):
         from specquant_cli.decoding.gamma import verify_shape

@@ -67,7 +67,7 @@ class ChatSession:
             if rt.auto_state is None:
                 rt.auto_state = AutoState()
             tokens = prompt if prompt is not None else rt.tokenizer().tokenize(text, add_bos=False, special=False)
-            ctx = PlanContext(name, route.tier, copy_potential(tokens), tuple(rt.family.roles()),
+            ctx = PlanContext(name, route.tier, copy_potential(tokens), rt.plannable_roles(),
                               rt.calibration(measure=measure), rt.auto_state)
         return route, plan_for(name, route.tier, ctx)
 

@@ -179,6 +179,41 @@ def test_spec_policies_over_new_roles_are_greedy_identical_to_parent(fam):
     assert texts["spec-q4i"] == texts["parent"] and rec["text"] == texts["parent"]
 
 
+def test_auto_measures_and_picks_recipe_drafts(fam):
+    """Calibration measures every draft role the family has, again when the family gains one, and auto can
+    run a recipe draft (greedy output still the parent's)."""
+    root, _ = fam
+    r = run_cli(["calibrate", "--family", str(root), "--json"])
+    assert r.exit_code == 0, r.stderr
+    assert {"q4", "q8", "q4i", "q3g"} <= set(json.loads(r.stdout)["draft_step_s"])
+    path = root / "calibration.json"
+    data = json.loads(path.read_text())
+    (key, entry), = data.items()
+    for k in ("draft_step_s", "agreement", "tokens_per_cycle", "draft_pair_s", "prefill_token_s"):
+        entry[k].pop("q3g")  # as measured before the family had q3g
+    path.write_text(json.dumps(data))
+    r = run_cli(["calibrate", "--family", str(root), "--json"])  # no --force: the missing role is reason enough
+    assert r.exit_code == 0, r.stderr
+    assert "q3g" in json.loads(r.stdout)["draft_step_s"]
+    # make q3g look nearly free, so auto's choice is forced onto it
+    data = json.loads(path.read_text())
+    entry = data[key]
+    entry["draft_step_s"]["q3g"] = entry["draft_pair_s"]["q3g"] = entry["parent_call_s"]["1"] / 50
+    entry["tokens_per_cycle"]["q3g"] = entry["tokens_per_cycle"]["q4"]
+    path.write_text(json.dumps(data))
+    route = json.loads(run_cli(["route", "--json", "--family", str(root), PROMPT]).stdout)["plan"]
+    names = [c["plan"] for c in route["candidates"]]
+    assert {"q4i", "q3g", "suffix+q4i", "suffix+q3g"} <= set(names)
+    assert route["draft"] in ("q3g", "suffix+q3g"), route
+    args = ["chat", "--family", str(root), "--max-tokens", "24", "--json", PROMPT]
+    parent = json.loads(run_cli(args + ["--policy", "parent"]).stdout.strip().splitlines()[-1])
+    r = run_cli(args + ["--policy", "auto"])
+    assert r.exit_code == 0, r.stderr
+    rec = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rec["route"]["plan"].startswith(("q3g drafts", "suffix+q3g drafts")) and rec["stats"]["drafted"] > 0
+    assert rec["text"] == parent["text"]
+
+
 def test_grade_out_of_reach_is_a_clean_error(fam):
     root, manifest = fam
     r = run_cli(["quantize", str(root / manifest["variants"]["f16"]["path"]), "--out", str(root), "--types", "q4_0",

@@ -82,7 +82,7 @@ def test_auto_model_drafts_need_a_margin_over_the_parent():
 
 def test_auto_picks_a_cheap_accurate_draft():
     best = auto.choose(auto.candidates("medium", 0.0, ("f16", "q4", "q8"), cal(step_ratio=0.2)))
-    assert best.drafter in ("q4", "q8", "suffix+q4") and best.predicted > 1.0
+    assert best.drafter in ("q4", "q8", "suffix+q4", "suffix+q8") and best.predicted > 1.0
 
 
 def test_auto_follows_what_the_session_measured():
@@ -91,9 +91,36 @@ def test_auto_follows_what_the_session_measured():
         state.observe("medium", "q4", 0.7)
         state.observe("medium", "suffix+q4", 0.7)
         state.observe("medium", "q8", 0.7)
+        state.observe("medium", "suffix+q8", 0.7)
     cands = auto.candidates("medium", 0.0, ("f16", "q4", "q8"), cal(step_ratio=0.2), state)
     assert auto.choose(cands).drafter in (None, "suffix")  # measured slow drafts lose to their priors
-    assert {c.source for c in cands if c.drafter in ("q4", "q8", "suffix+q4")} == {"session"}
+    assert {c.source for c in cands if c.drafter not in (None, "suffix")} == {"session"}
+
+
+def test_auto_weighs_a_recipe_draft_only_once_it_is_measured():
+    c = cal(step_ratio=0.4)
+    roles = ("f16", "q4", "q8", "q3g")
+    names = [x.name for x in auto.candidates("medium", 0.3, roles, c)]
+    assert "q3g" not in names and "suffix+q3g" not in names  # no prior for a recipe: never a guess
+    c.draft_step_s["q3g"] = 0.1 * 0.2  # measured: half q4's step at the same agreement
+    cands = auto.candidates("medium", 0.3, roles, c)
+    by = {x.name: x for x in cands}
+    assert by["q3g"].predicted > by["q4"].predicted and by["q3g"].model
+    assert by["suffix+q3g"].predicted > by["suffix+q4"].predicted and not by["suffix+q3g"].model
+    assert auto.choose(cands).name in ("q3g", "suffix+q3g")
+    assert "q3g" not in [x.name for x in auto.candidates("medium", 0.3, ("f16", "q4"), c)]  # not in the family
+
+
+def test_auto_plan_for_a_recipe_draft_loads_it_and_adapts_its_length():
+    from specquant_cli.routing.policies import PlanContext, plan_for
+
+    c = cal(step_ratio=0.9)
+    c.draft_step_s["q4i"] = 0.1 * 0.15
+    plan = plan_for("auto", "medium", PlanContext("auto", "medium", 0.0, ("f16", "q4", "q8", "q4i"), c))
+    assert plan.draft in ("q4i", "suffix+q4i") and plan.roles == ["f16", "q4i"]
+    assert plan.adaptive_gamma == (plan.draft == "q4i")  # a mix's model part adapts inside the drafter
+    plan = plan_for("auto", "medium", PlanContext("auto", "medium", 0.9, ("f16", "q4", "q8", "q4i"), c))
+    assert plan.draft == "suffix+q4i" and not plan.adaptive_gamma and plan.roles == ["f16", "q4i"]
 
 
 def test_copy_potential_is_higher_for_repetitive_long_context():

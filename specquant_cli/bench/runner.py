@@ -76,6 +76,7 @@ def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Seque
     warm_up(runtime, roles, warmup)
     if any(POLICIES[p].planner is not None for p in policies):
         runtime.calibration()  # measured (once per machine) before anything is timed
+        warm_up(runtime, runtime.load_planner_drafts(), warmup)  # every draft it may pick, before the clock
     records: list[Record] = []
     for item in items:
         parent_tokens = None

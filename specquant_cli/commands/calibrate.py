@@ -21,15 +21,11 @@ def calibrate(
     json_out: bool = JsonOpt,
 ) -> None:
     from specquant_cli.runtime import Runtime
-    from specquant_cli.system import calibration as cal
 
     fam = load_family(family)
     runtime = Runtime(fam, n_ctx=n_ctx)
     try:
-        fp = cal.fingerprint(runtime.facts, runtime.threads)
-        c = None if force else cal.load(fam.root, fp)
-        if c is None:
-            c = runtime._measure(cal, fp)
+        c = runtime.calibration(force=force)
     finally:
         runtime.close()
     if json_out:

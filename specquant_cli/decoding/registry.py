@@ -81,11 +81,14 @@ def _suffix(host: DraftHost, target: str) -> Drafter:
     return SuffixDrafter(verify_cost=host.verify_cost())
 
 
-def _suffix_then_q4(host: DraftHost, target: str) -> Drafter:
-    from specquant_cli.decoding.drafters import FallbackDrafter
+def _suffix_then(role: str):
+    def build(host: DraftHost, target: str) -> Drafter:
+        from specquant_cli.decoding.drafters import FallbackDrafter
 
-    return FallbackDrafter(host.drafter("suffix", target, host.scope), _model("q4")(host, target), activate_after=0,
-                           model_gamma=host.model_gamma("q4", 4))
+        return FallbackDrafter(host.drafter("suffix", target, host.scope), _model(role)(host, target),
+                               activate_after=0, model_gamma=host.model_gamma(role, 4))
+
+    return build
 
 
 def _ngram(host: DraftHost, target: str) -> Drafter:
@@ -114,7 +117,13 @@ for _spec in (
                 help="n-gram drafts when the context offers them, q4 drafts after 32 tokens otherwise"),
     DrafterSpec("suffix", (), _suffix, persistent=True,
                 help="suffix-match drafts over everything the session has seen (no model call)"),
-    DrafterSpec("suffix+q4", ("q4",), _suffix_then_q4,
-                help="suffix drafts on copy runs, q4 drafts (own adaptive length) elsewhere"),
 ):
     register_drafter(_spec)
+for _role in ("q4", "q8", "q4i", "q4s", "q3g", "q3g30"):  # the auto policy's mixes, one per model draft
+    register_drafter(DrafterSpec(f"suffix+{_role}", (_role,), _suffix_then(_role),
+                                 help=f"suffix drafts on copy runs, {_role} drafts (own adaptive length) elsewhere"))
+
+
+def model_draft_roles(roles) -> list[str]:
+    """Those of `roles` that draft as a model of their own name (q4, q8, the recipe roles), in `roles`' order."""
+    return [r for r in roles if r in DRAFTERS and DRAFTERS[r].roles == (r,)]

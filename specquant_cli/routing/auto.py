@@ -59,6 +59,7 @@ class Candidate:
     why: str
     source: str = "prior"  # prior | session (measured this session)
     needs: float = 1.0  # predicted speedup it must reach to run (MODEL_MARGIN for model drafts)
+    model: bool = False  # a model drafts alone (its draft length adapts within the answer)
 
 
 @dataclass
@@ -86,28 +87,32 @@ def _model_speedup(alpha: float, draft_cost, verify_cost, per_cycle=None) -> tup
 
 def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
                state: Optional[AutoState] = None) -> list[Candidate]:
-    """Every plan's predicted decode speedup, best first."""
+    """Every plan's predicted decode speedup, best first: the parent, suffix drafts, each model draft the
+    family has (q4 and q8 from priors when uncalibrated; any other draft role, e.g. the recipes q4i, q3g,
+    only once this machine's calibration has measured it) and suffix drafts mixed with each of those."""
+    from specquant_cli.decoding.registry import DRAFTERS, model_draft_roles
+
     vc = calibration.verify_cost if calibration else verify_shape
     out = [Candidate("parent", None, 1.0, 0, "the floor: F16 alone")]
     suffix = 1.0 / (copy / COPY_GAIN + (1.0 - copy))
     out.append(Candidate("suffix", "suffix", suffix, 32, f"draft-free, nothing lost when nothing matches: copy "
                                                        f"potential {copy:.2f}"))
-    for role in ("q4", "q8"):
-        if role not in roles:
+    measured = calibration.draft_step_s if calibration else {}
+    for role in model_draft_roles(roles):
+        if role not in measured and role not in ALPHA_PRIOR:
             continue
-        ratio = (calibration.draft_ratio(role) if calibration else None) or DRAFT_RATIO_PRIOR[role]
-        alpha = (calibration.agreement.get(role) if calibration else None) or ALPHA_PRIOR[role]
+        ratio = (calibration.draft_ratio(role) if calibration else None) or DRAFT_RATIO_PRIOR.get(role, 0.4)
+        alpha = (calibration.agreement.get(role) if calibration else None) or ALPHA_PRIOR.get(role, 0.85)
         runs = calibration.tokens_per_cycle.get(role) if calibration else None
-        cycle = (lambda g, r=role: calibration.draft_cycle(r, g)) if calibration and role in \
-            calibration.draft_step_s else (lambda g, k=ratio: g * k)
+        cycle = (lambda g, r=role: calibration.draft_cycle(r, g)) if role in measured else (lambda g, k=ratio: g * k)
         s, g = _model_speedup(alpha, cycle, vc, runs)
         out.append(Candidate(role, role, s, g, f"{role} step {ratio:.2f}x a parent step, acceptance prior "
-                                               f"{alpha:.0%}, best draft length {g}", needs=MODEL_MARGIN))
-        if role == "q4":
-            # suffix drafts cover the copy share of the answer, q4 drafts the rest: time per token adds up
+                                               f"{alpha:.0%}, best draft length {g}", needs=MODEL_MARGIN, model=True))
+        if f"suffix+{role}" in DRAFTERS:
+            # suffix drafts cover the copy share of the answer, the model's drafts the rest: time per token adds up
             mix = 1.0 / (copy / COPY_GAIN + (1.0 - copy) / s) if s > 1.0 else suffix
-            out.append(Candidate("suffix+q4", "suffix+q4", mix, g, "suffix drafts on copy runs, q4 elsewhere",
-                                 needs=MODEL_MARGIN))
+            out.append(Candidate(f"suffix+{role}", f"suffix+{role}", mix, g,
+                                 f"suffix drafts on copy runs, {role} elsewhere", needs=MODEL_MARGIN))
     if state:
         for c in out:
             m = state.measured.get((tier, c.name))

@@ -69,7 +69,7 @@ def _auto(ctx: PlanContext) -> Plan:
     why = f"{best.name} predicted {best.predicted:.2f}x ({best.source}): {best.why}"
     if best.drafter is None:
         why = "no candidate predicted above 1.0x: " + why
-    return Plan(ctx.policy, ctx.tier, PARENT_ROLE, best.drafter, adaptive_gamma=best.drafter in ("q4", "q8"),
+    return Plan(ctx.policy, ctx.tier, PARENT_ROLE, best.drafter, adaptive_gamma=best.model,
                 gamma_cap=32 if best.drafter and best.drafter.startswith("suffix") else None,
                 candidates=tuple({"plan": c.name, "predicted_speedup": round(c.predicted, 3), "gamma": c.gamma,
                                   "why": c.why, "source": c.source} for c in cands), why=why)
@@ -84,7 +84,8 @@ def register_policy(spec: PolicySpec) -> PolicySpec:
 
 for _spec in (
     PolicySpec("auto", "per prompt, the plan with the best predicted speedup from this machine's measured "
-               "costs, the route and the prompt's copy potential (parent, `suffix`, `q4`, `suffix+q4`, …); "
+               "costs, the route and the prompt's copy potential (parent, `suffix`, each model draft the family has — "
+               "`q4`, `q8`, recipes such as `q4i` — and `suffix+<draft>`); "
                "never one predicted below 1.0x", planner=_auto, roles=("q4", "q8")),
     PolicySpec("paper", "low → `q4` drafts, F16 verifies; medium → `q8` drafts, F16 verifies; high → F16 alone",
                by_tier={"low": "q4", "medium": "q8", "high": None}),

@@ -109,6 +109,8 @@ def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: O
             # Planning once per policy loads spaCy, and has a planner measure what it needs (once per machine),
             # now rather than during the first request.
             session.plan(WARM_UP_TEXT, name)
+        if any(POLICIES[p].planner is not None for p in [opts.policy, *opts.policies]):
+            runtime.load_planner_drafts()  # the drafts auto may pick (recipe roles too), not during a request
         return Service(family, runtime, session, opts)
     except BaseException:
         runtime.close()

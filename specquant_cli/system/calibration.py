@@ -1,5 +1,6 @@
 """What this machine's calls cost for a family: the parent's call on 1..16 tokens, each draft role's
-one-token step, prefill per token. Measured once (a few seconds on the demo family), cached in the family
+one-token step (every model draft the family has: q4, q8 and recipes such as q4i, q3g), prefill per token.
+Measured once (a few seconds on the demo family), cached in the family
 folder keyed by a hardware fingerprint and the llama-cpp-python version, read by the `auto` policy."""
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Calibration:
     draft_pair_s: dict[str, float] = field(default_factory=dict)
     fingerprint: dict = field(default_factory=dict)
     measured_at: str = ""
+    left_out: list[str] = field(default_factory=list)  # draft roles not measured (no memory for them beside the rest)
 
     def verify_cost(self, n: int) -> float:
         """A parent call on n tokens, relative to a one-token call (linear beyond the measured sizes)."""
@@ -100,7 +102,7 @@ class Calibration:
                    {k: float(v) for k, v in d.get("agreement", {}).items()},
                    {k: [float(x) for x in v] for k, v in d.get("tokens_per_cycle", {}).items()},
                    {k: float(v) for k, v in d.get("draft_pair_s", {}).items()},
-                   d.get("fingerprint", {}), d.get("measured_at", ""))
+                   d.get("fingerprint", {}), d.get("measured_at", ""), [str(r) for r in d.get("left_out", [])])
 
 
 def _timed(ctx, tokens, logits: str = "all") -> float:
