@@ -7,7 +7,7 @@ from typing import Optional
 
 from specquant_cli.backend.llama import Context, Model, check_same_vocab
 from specquant_cli.decoding.engine import DEFAULT_GAMMA, Engine
-from specquant_cli.decoding.gamma import AdaptiveGamma, FixedGamma
+from specquant_cli.decoding.gamma import CALIBRATED_PRIOR_COUNTS, PRIOR_PSEUDO_COUNTS, AdaptiveGamma, FixedGamma
 from specquant_cli.decoding.protocols import Drafter
 from specquant_cli.decoding.registry import drafter_spec
 from specquant_cli.decoding.sampling import SamplingParams
@@ -192,9 +192,11 @@ class Runtime:
         c = self.calibration(measure=False)
         prior = {n: s for n, s in c.parent_call_s.items()} if c else None
         draft = c.draft_step_s.get(role) if c else None
-        alpha = min(0.95, c.agreement.get(role, 0.5)) if c else 0.5  # capped: 159 tokens cannot promise more
+        measured = c is not None and role in c.agreement
+        alpha = min(0.95, c.agreement[role]) if measured else 0.5  # capped: 256 tokens cannot promise more
         return AdaptiveGamma(g_max=max(ADAPTIVE_G_MAX, self.gamma), g_init=g_init, verify_prior=prior,
-                             draft_prior=draft, alpha_prior=alpha)
+                             draft_prior=draft, alpha_prior=alpha,
+                             prior_counts=CALIBRATED_PRIOR_COUNTS if measured else PRIOR_PSEUDO_COUNTS)
 
     def engine(self, plan: Plan, sp: SamplingParams) -> Engine:
         """An engine for `plan`: loads the plan's roles (placement-checked), builds its drafter and γ policy.

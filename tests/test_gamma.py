@@ -50,3 +50,23 @@ def test_verify_cost_prior_scales_from_the_nearest_measured_size():
     assert g._verify_cost(5) == 0.2
     assert g._verify_cost(1) == pytest.approx(0.2 / 1.8)
     assert g._verify_cost(9) == pytest.approx(0.2 * 2.2 / 1.8)
+
+
+def test_a_calibrated_prior_survives_one_bad_cycle():
+    """Measured on the 1.5B family (Spec-Bench 123): one early cycle that kept 1 of 4 drafts took a weak prior
+    to gamma 0 for the rest of the answer; a prior from the calibration's 256 tokens keeps drafting."""
+    from specquant_cli.decoding.gamma import CALIBRATED_PRIOR_COUNTS, PRIOR_PSEUDO_COUNTS
+
+    costs = {1: 0.057, 2: 0.095, 3: 0.100, 4: 0.112, 5: 0.124, 6: 0.13, 7: 0.14, 8: 0.15, 9: 0.157}
+
+    def after_one_bad_cycle(counts):
+        g = AdaptiveGamma(g_max=8, alpha_prior=0.92, verify_prior=costs, draft_prior=0.023, prior_counts=counts)
+        g.update(CycleOutcome(4, 1, 0, 0.093, 0.124, 5))
+        return g
+
+    assert after_one_bad_cycle(PRIOR_PSEUDO_COUNTS).gamma == 0
+    strong = after_one_bad_cycle(CALIBRATED_PRIOR_COUNTS)
+    assert strong.gamma >= 2 and strong.alpha > 0.85
+    for _ in range(6):  # but a draft that keeps failing is still switched off
+        strong.update(CycleOutcome(strong.draft_length() or 1, 0, 0, 0.05, 0.1, 3))
+    assert strong.gamma == 0

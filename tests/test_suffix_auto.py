@@ -123,6 +123,17 @@ def test_auto_plan_for_a_recipe_draft_loads_it_and_adapts_its_length():
     assert plan.draft == "suffix+q4i" and not plan.adaptive_gamma and plan.roles == ["f16", "q4i"]
 
 
+def test_a_recipe_draft_must_clearly_beat_q4():
+    c = cal(step_ratio=0.4)
+    c.draft_step_s["q4i"] = c.draft_step_s["q4"] * 0.99  # predicted about 1 % better: within the noise
+    cands = auto.candidates("medium", 0.0, ("f16", "q4", "q4i"), c)
+    by = {x.name: x for x in cands}
+    assert by["q4i"].predicted > by["q4"].predicted and by["q4i"].needs > by["q4i"].predicted
+    assert auto.choose(cands).name in ("q4", "suffix+q4")
+    c.draft_step_s["q4i"] = c.draft_step_s["q4"] * 0.5  # clearly cheaper: it wins
+    assert auto.choose(auto.candidates("medium", 0.0, ("f16", "q4", "q4i"), c)).name in ("q4i", "suffix+q4i")
+
+
 def test_copy_potential_is_higher_for_repetitive_long_context():
     assert auto.copy_potential(list(range(50))) < auto.copy_potential(CODE * 40)
 

@@ -32,6 +32,11 @@ MAX_GAMMA = 8
 # several calibration timings, so it is optimistic by a few percent. Draft-free drafts need no margin: when nothing
 # matches they propose nothing and the cycle is a plain parent step.
 MODEL_MARGIN = 1.03
+# A draft role other than the family's own q4/q8 (a recipe such as q4i, q3g) must also be predicted this much
+# above q4's plan of the same kind to replace it: with six drafts to choose from, the best-looking of several
+# small-sample estimates is optimistic (the winner's curse).
+RECIPE_MARGIN = 1.03
+STANDARD_DRAFTS = ("q4", "q8")
 
 
 def copy_potential(tokens: Sequence[int], n: int = 3) -> float:
@@ -118,7 +123,20 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
             m = state.measured.get((tier, c.name))
             if m is not None and c.drafter:
                 c.predicted, c.source = m, "session"
+    _raise_recipe_bars(out)
     return sorted(out, key=lambda c: -c.predicted)
+
+
+def _raise_recipe_bars(cands: list[Candidate]) -> None:
+    """A recipe draft (alone or mixed) must beat q4's plan of the same kind by RECIPE_MARGIN."""
+    by = {c.name: c for c in cands}
+    for c in cands:
+        role = c.name.removeprefix("suffix+")
+        if c.drafter is None or role == "suffix" or role in STANDARD_DRAFTS:
+            continue
+        ref = by.get(c.name.replace(role, "q4"))
+        if ref is not None:
+            c.needs = max(c.needs, ref.predicted * RECIPE_MARGIN)
 
 
 def choose(cands: list[Candidate]) -> Candidate:
