@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal, get_args
 
 Tier = Literal["low", "medium", "high"]
@@ -11,6 +12,7 @@ TIERS: tuple[str, ...] = get_args(Tier)
 Role = str
 PARENT_ROLE: Role = "f16"
 KNOWN_ROLES: tuple[str, ...] = ("q4", "q8", "f16")
+ROLE_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # what `quantize --role NAME` accepts
 
 LogitsMode = Literal["last", "all", "none"]  # which rows of a decoded batch keep logits
 

@@ -34,6 +34,7 @@ class Runtime:
         self.scope = ""  # the policy whose drafter is being built
         self._calibration = None
         self.auto_state = None  # the auto policy's session measurements (routing.auto.AutoState)
+        self.draft_roles()  # registers a drafter for each draft role (a custom graded one too)
 
     @property
     def facts(self):
@@ -111,9 +112,9 @@ class Runtime:
 
     def draft_roles(self) -> list[str]:
         """The family's roles that draft as models (q4, q8, recipes such as q4i, q3g)."""
-        from specquant_cli.decoding.registry import model_draft_roles
+        from specquant_cli.decoding.registry import family_draft_roles
 
-        return model_draft_roles(self.family.roles())
+        return family_draft_roles(self.family.roles(), PARENT_ROLE)
 
     def fits(self, roles: list[str]) -> bool:
         """Whether `roles` (the parent first) fit where they would run (system.placement)."""

@@ -9,7 +9,7 @@ from typing import Optional
 
 from specquant_cli.decoding.sampling import SamplingParams
 from specquant_cli.decoding.stream import Response, stream_generate
-from specquant_cli.routing.policies import POLICIES, Plan, PlanContext, check_policy, plan_for
+from specquant_cli.routing.policies import Plan, PlanContext, check_policy, plan_for, policy_spec
 from specquant_cli.routing.router import Route, Router
 from specquant_cli.runtime import Runtime
 
@@ -60,7 +60,7 @@ class ChatSession:
         route = self.router.route(text)
         name = policy or self.policy
         ctx = None
-        if POLICIES[check_policy(name)].planner is not None:
+        if policy_spec(name).planner is not None:
             from specquant_cli.routing.auto import AutoState, copy_potential
 
             rt = self.runtime

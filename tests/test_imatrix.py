@@ -214,6 +214,24 @@ def test_auto_measures_and_picks_recipe_drafts(fam):
     assert rec["text"] == parent["text"]
 
 
+def test_a_custom_graded_role_drafts_through_its_spec_policy(fam):
+    root, manifest = fam
+    base = root / manifest["variants"]["f16"]["path"]
+    r = run_cli(["quantize", str(base), "--out", str(root), "--types", "q4_0", "--grade", "4.6", "--role", "mine",
+                 "--ladder", "q3_k,q4_0,q8_0"])
+    assert r.exit_code == 0, r.stderr
+    args = ["chat", "--family", str(root), "--max-tokens", "24", "--json", PROMPT]
+    parent = json.loads(run_cli(args + ["--policy", "parent"]).stdout.strip().splitlines()[-1])
+    r = run_cli(args + ["--policy", "spec-mine"])
+    assert r.exit_code == 0, r.stderr
+    rec = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rec["route"]["plan"] == "mine drafts, f16 verifies" and rec["stats"]["drafted"] > 0
+    assert rec["text"] == parent["text"]
+    r = run_cli(["chat", "--family", str(root), "--policy", "spec-absent", "hi"])
+    assert r.exit_code != 0 and "Traceback" not in r.stderr
+    assert "no 'absent' variant" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_grade_out_of_reach_is_a_clean_error(fam):
     root, manifest = fam
     r = run_cli(["quantize", str(root / manifest["variants"]["f16"]["path"]), "--out", str(root), "--types", "q4_0",

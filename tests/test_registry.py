@@ -73,3 +73,16 @@ def test_unknown_drafter_is_refused_at_registration():
 
 def test_readme_policy_table_is_generated_from_the_registry():
     assert markdown_table() in (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def test_spec_of_any_draft_role_is_a_policy():
+    """`spec-<role>` works for a role outside the registry (quantize --grade BPW --role NAME makes one)."""
+    from specquant_cli.errors import InputError
+    from specquant_cli.routing.policies import check_policy, plan_for, policy_spec
+
+    spec = policy_spec("spec-zz9")
+    assert spec.drafter == "zz9" and not spec.lossy and "spec-zz9" not in POLICIES  # the table stays as it is
+    assert plan_for("spec-zz9", "low").roles == ["f16", "zz9"]
+    for bad in ("spec-ngram", "spec-suffix", "spec-f16", "spec-Bad!", "fastest", "spec-"):
+        with pytest.raises(InputError, match="unknown policy"):
+            check_policy(bad)

@@ -171,3 +171,20 @@ def test_draft_cycle_pays_the_catch_up_pair_only_after_full_accepts():
     # g=1: p_full = E(1) - 1 = 1.0 -> one pair; g=2: p_full = 0.5 -> half a pair, half a step, + 1 step
     assert c.draft_cycle("q4", 1) == pytest.approx(0.16)
     assert c.draft_cycle("q4", 2) == pytest.approx((0.5 * 0.016 + 0.5 * 0.01 + 0.01) / 0.1)
+
+
+def test_calibration_cache_keeps_other_machines_and_drops_older_schemas(tmp_path):
+    from specquant_cli.system import calibration as cal
+
+    here = {"schema": cal.SCHEMA, "cpu": "here", "cores": 2}
+    there = {**here, "cpu": "elsewhere"}
+    old = {**here, "schema": cal.SCHEMA - 1}
+    (tmp_path / cal.CALIBRATION_FILE).write_text(json.dumps({
+        cal.key_of(there): Calibration({1: 0.2}).to_dict(),
+        cal.key_of(old): Calibration({1: 0.3}).to_dict(), "not json": {}}))
+    cal.save(tmp_path, here, Calibration({1: 0.1, 2: 0.15}, left_out=["q3g"]))
+    data = json.loads((tmp_path / cal.CALIBRATION_FILE).read_text())
+    assert set(data) == {cal.key_of(here), cal.key_of(there)}
+    got = cal.load(tmp_path, here)
+    assert got.parent_call_s == {1: 0.1, 2: 0.15} and got.left_out == ["q3g"]
+    assert cal.load(tmp_path, old) is None

@@ -69,12 +69,12 @@ def warm_up(runtime: Runtime, roles: Sequence[str], runs: int) -> None:
 def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Sequence[str], max_tokens: int,
         sp: SamplingParams, repeats: int = 1, warmup: int = 1,
         progress: Optional[Callable[[Record], None]] = None) -> list[Record]:
-    from specquant_cli.routing.policies import POLICIES, all_roles
+    from specquant_cli.routing.policies import all_roles, policy_spec
 
     roles = all_roles(list(policies))
     runtime.ensure(roles)
     warm_up(runtime, roles, warmup)
-    if any(POLICIES[p].planner is not None for p in policies):
+    if any(policy_spec(p).planner is not None for p in policies):
         runtime.calibration()  # measured (once per machine) before anything is timed
         warm_up(runtime, runtime.load_planner_drafts(), warmup)  # every draft it may pick, before the clock
     records: list[Record] = []
@@ -99,9 +99,9 @@ def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Seque
 
 def _tps(policy: str, answer) -> float:
     """Only routed policies need the route to pick their plan, so only their wall time includes the scoring."""
-    from specquant_cli.routing.policies import POLICIES
+    from specquant_cli.routing.policies import policy_spec
 
-    wall = answer.last.total_s + (answer.route_s if POLICIES[policy].routed else 0.0)
+    wall = answer.last.total_s + (answer.route_s if policy_spec(policy).routed else 0.0)
     return answer.last.new_tokens / wall if wall > 0 else 0.0
 
 

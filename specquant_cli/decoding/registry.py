@@ -119,9 +119,29 @@ for _spec in (
                 help="suffix-match drafts over everything the session has seen (no model call)"),
 ):
     register_drafter(_spec)
-for _role in ("q4", "q8", "q4i", "q4s", "q3g", "q3g30"):  # the auto policy's mixes, one per model draft
-    register_drafter(DrafterSpec(f"suffix+{_role}", (_role,), _suffix_then(_role),
-                                 help=f"suffix drafts on copy runs, {_role} drafts (own adaptive length) elsewhere"))
+
+
+def register_role_drafters(role: str) -> None:
+    """A draft role's own drafter (`role`) and its mix with suffix drafts (`suffix+role`, for the auto
+    policy), unless those names are taken. Every non-parent role of a loaded family gets them, so a variant
+    made by `quantize --grade BPW --role NAME` drafts like the built-in ones (`spec-NAME`, auto)."""
+    if role not in DRAFTERS:
+        register_drafter(DrafterSpec(role, (role,), _model(role), help=f"the {role} variant drafts"))
+    if f"suffix+{role}" not in DRAFTERS:
+        register_drafter(DrafterSpec(f"suffix+{role}", (role,), _suffix_then(role),
+                                     help=f"suffix drafts on copy runs, {role} drafts (own adaptive length) elsewhere"))
+
+
+for _role in ("q4", "q8", "q4i", "q4s", "q3g", "q3g30"):
+    register_role_drafters(_role)
+
+
+def family_draft_roles(roles, parent: str) -> list[str]:
+    """A family's roles that draft as models of their own name, their drafters registered first."""
+    for r in roles:
+        if r != parent:
+            register_role_drafters(r)
+    return model_draft_roles(roles)
 
 
 def model_draft_roles(roles) -> list[str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -27,9 +26,9 @@ from typing import Optional
 from specquant_cli.errors import FamilyError, InputError, LlamaError, ModelFileError, ResourceError
 from specquant_cli.family import grade as grading
 from specquant_cli.family.grade import LADDER
+from specquant_cli.names import ROLE_RE
 
 ProgressFn = Callable[[str, int, int], None]  # (stage label, done, total)
-ROLE_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 LOG = "quantize.log"
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 from specquant_cli.decoding.registry import drafter_spec
 from specquant_cli.errors import InputError
-from specquant_cli.names import PARENT_ROLE, TIERS, Tier
+from specquant_cli.names import PARENT_ROLE, ROLE_RE, TIERS, Tier
 
 
 @dataclass(frozen=True)
@@ -153,18 +153,35 @@ def bench_policies() -> list[str]:
 
 
 def policy_help() -> str:
-    return ", ".join(f"{n} (lossy)" if s.lossy else n for n, s in POLICIES.items())
+    return ", ".join(f"{n} (lossy)" if s.lossy else n for n, s in POLICIES.items()) + ", spec-<role>"
+
+
+def policy_spec(name: str) -> PolicySpec:
+    """The registered policy `name`, or `spec-<role>` for any other draft role (a variant made by
+    `quantize --grade BPW --role NAME`): that role drafts, F16 verifies. Whether the family has the role is
+    checked when its models load."""
+    spec = POLICIES.get(name)
+    if spec is not None:
+        return spec
+    role = name.removeprefix("spec-")
+    if role != name and ROLE_RE.match(role) and role != PARENT_ROLE:
+        from specquant_cli.decoding.registry import register_role_drafters
+
+        register_role_drafters(role)
+        if drafter_spec(role).roles == (role,):  # not a name taken by another drafter (ngram, suffix)
+            return PolicySpec(name, f"`{role}` drafts, F16 verifies", drafter=role, in_bench=False)
+    raise InputError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}, or spec-<role> for "
+                     "another draft role of the family")
 
 
 def check_policy(name: str) -> str:
-    if name not in POLICIES:
-        raise InputError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+    policy_spec(name)
     return name
 
 
 def plan_for(policy: str, tier: Optional[Tier], context: Optional[PlanContext] = None) -> Plan:
     """The plan `policy` runs for a prompt of `tier`; a policy with a planner needs the `context`."""
-    spec = POLICIES[check_policy(policy)]
+    spec = policy_spec(policy)
     if spec.planner is not None:
         return spec.planner(context or PlanContext(policy, tier))
     return Plan(policy, tier, spec.target, spec.drafter_for(tier), spec.adaptive_gamma, spec.lossy, spec.gamma_cap)
@@ -173,7 +190,7 @@ def plan_for(policy: str, tier: Optional[Tier], context: Optional[PlanContext] =
 def all_roles(policies: list[str]) -> list[str]:
     """Every role any of `policies` may load, over every tier."""
     out = {r for p in policies for t in TIERS for r in plan_for(p, t).roles}
-    return sorted(out | {r for p in policies for r in POLICIES[p].roles} | {PARENT_ROLE})
+    return sorted(out | {r for p in policies for r in policy_spec(p).roles} | {PARENT_ROLE})
 
 
 def markdown_table() -> str:
@@ -182,4 +199,6 @@ def markdown_table() -> str:
     for n, s in POLICIES.items():
         name = f"`{n}`" + (" (default)" if n == DEFAULT_POLICY else "")
         rows.append(f"| {name} | {s.help} | {'**lossy**' if s.lossy else '= F16'} |")
+    rows.append("| `spec-<role>` | any other draft role of the family (one made by `quantize --grade BPW --role NAME`) "
+                "drafts, F16 verifies | = F16 |")
     return "\n".join(rows)

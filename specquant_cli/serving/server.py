@@ -14,9 +14,11 @@ from typing import Optional
 
 import uvicorn
 
+from specquant_cli.decoding.registry import family_draft_roles
 from specquant_cli.errors import InputError, ResourceError
 from specquant_cli.family.manifest import MANIFEST
-from specquant_cli.routing.policies import POLICIES, all_roles, check_policy
+from specquant_cli.names import PARENT_ROLE
+from specquant_cli.routing.policies import POLICIES, all_roles, check_policy, policy_spec
 from specquant_cli.serving.schemas import ApiError, GenerationParams
 from specquant_cli.serving.worker import EngineWorker
 
@@ -94,6 +96,8 @@ def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: O
     if not opts.policies:  # every registered policy this family has the roles for
         have = set(family.roles())
         opts.policies = [p for p in POLICIES if set(all_roles([p])) <= have]
+        opts.policies += [f"spec-{r}" for r in family_draft_roles(family.roles(), PARENT_ROLE)
+                          if f"spec-{r}" not in opts.policies]  # roles made by quantize --grade --role NAME
     if opts.policies and opts.policy not in opts.policies:
         raise InputError(f"--policy {opts.policy} must be one of --policies ({', '.join(opts.policies)})")
     runtime = Runtime(family, n_ctx=n_ctx, gamma=gamma, threads=threads)
@@ -109,7 +113,7 @@ def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: O
             # Planning once per policy loads spaCy, and has a planner measure what it needs (once per machine),
             # now rather than during the first request.
             session.plan(WARM_UP_TEXT, name)
-        if any(POLICIES[p].planner is not None for p in [opts.policy, *opts.policies]):
+        if any(policy_spec(p).planner is not None for p in [opts.policy, *opts.policies]):
             runtime.load_planner_drafts()  # the drafts auto may pick (recipe roles too), not during a request
         return Service(family, runtime, session, opts)
     except BaseException:

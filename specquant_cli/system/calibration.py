@@ -56,6 +56,14 @@ def key_of(fp: dict) -> str:
     return json.dumps(fp, sort_keys=True)
 
 
+def _schema_of(key: str):
+    try:
+        fp = json.loads(key)
+        return fp.get("schema") if isinstance(fp, dict) else None
+    except ValueError:
+        return None
+
+
 @dataclass
 class Calibration:
     parent_call_s: dict[int, float]  # tokens in one parent call -> seconds
@@ -228,13 +236,15 @@ def load(root: Path, fp: dict) -> Optional[Calibration]:
 
 
 def save(root: Path, fp: dict, cal: Calibration) -> None:
-    """Add this fingerprint's entry, keeping the others (a family folder may move between machines)."""
+    """Add this fingerprint's entry, keeping the others of this schema (a family folder may move between
+    machines); entries an older version measured are dropped (nothing reads them again)."""
     path = Path(root) / CALIBRATION_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         data = data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         data = {}
+    data = {k: v for k, v in data.items() if _schema_of(k) == SCHEMA}
     cal.fingerprint = fp
     data[key_of(fp)] = cal.to_dict()
     write_json_atomic(path, data)
