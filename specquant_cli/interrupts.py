@@ -39,12 +39,23 @@ def install() -> None:
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM back while the block runs (a few renames); they are delivered right after it."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    """Hold Ctrl-C and SIGTERM back while the block runs (a few renames, a child's start); they are delivered
+    right after it.
+
+    The Python handlers are swapped for ones that only take note, rather than the signals being masked:
+    a mask holds only the calling thread, and a signal the process gets lands on any thread that does not
+    mask it (a progress display's refresh thread), after which the main thread runs the handler at its next
+    bytecode, wherever that is (measured: inside `subprocess.Popen`, after the fork, so the parent lost the
+    child it had just started)."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED)
+    got: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in DEFERRED}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if got:
+            signal.raise_signal(got[0])  # to the original handler (or default action) now

@@ -26,6 +26,7 @@ from specquant_cli.fsutil import (
     sha256_file,
     temp_name,
 )
+from specquant_cli.interrupts import deferred
 
 
 @dataclass(frozen=True)
@@ -72,18 +73,13 @@ def check_output(tmp: Path, label: str, log: Path) -> int:
 def run_child(cmd: list[str], log_fd, watched: Path, tick) -> int:
     """Run a quantizer child process (its own session, so a terminal's Ctrl-C reaches us, not it), calling
     tick(bytes written to `watched`) while it runs; an interruption kills it before its file is removed."""
-    import signal
-
     proc = None
     try:
         # Signals wait while the child starts: an interrupt inside Popen would leave a child we cannot name,
         # which could (re)create its output file after we removed it. Delivered right after, with proc set.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
+        with deferred():
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
                                     start_new_session=True)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
         while True:
             try:
                 return proc.wait(timeout=0.2)
@@ -136,8 +132,9 @@ def quantize_one(src: Path, dst: Path, q: QuantType, expected: int, threads: int
     Ctrl-C or SIGTERM kills the child and removes the temp file; nothing under `dst` is touched here."""
     done, tmp = False, None
     try:  # from the temp file's creation on: a Ctrl-C right after it must still remove it
-        fd, tmp = create_temp(dst)
-        os.close(fd)
+        with deferred():  # and none may land between the file's creation and `tmp` naming it
+            fd, tmp = create_temp(dst)
+            os.close(fd)
         cmd = [sys.executable, "-m", "specquant_cli.family.quantize_worker", os.fsdecode(src), os.fsdecode(tmp),
                q.ftype_const, str(threads), "1" if allow_requantize else "0", str(os.getpid())]
         rc = run_child(cmd, log_fd, tmp, lambda n: progress and progress(q.name, n, expected))
