@@ -56,6 +56,6 @@ def deferred() -> Iterator[None]:
         yield
     finally:
         for s, handler in old.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: a handler set outside Python
         if got:
             signal.raise_signal(got[0])  # to the original handler (or default action) now

@@ -134,7 +134,7 @@ def _raise_recipe_bars(cands: list[Candidate]) -> None:
         role = c.name.removeprefix("suffix+")
         if c.drafter is None or role == "suffix" or role in STANDARD_DRAFTS:
             continue
-        ref = by.get(c.name.replace(role, "q4"))
+        ref = by.get("suffix+q4" if c.name.startswith("suffix+") else "q4")
         if ref is not None:
             c.needs = max(c.needs, ref.predicted * RECIPE_MARGIN)
 

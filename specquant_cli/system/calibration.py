@@ -24,8 +24,8 @@ DRAFT_STEPS = 8
 # where the draft's argmax equals the parent's token is what a verification would accept. On the parent's
 # own answers, not on external text: a draft agrees more with what the parent writes than with what people
 # write (1.5B family: 85 % on a mixed text, 89 % on Spec-Bench answers). Four kinds of answer, 64 tokens
-# each: with two prompts of 48 tokens a graded 3-bit draft measured 92 % (as q4 did), against 87 % for q4's
-# 95 % on 426 tokens of Spec-Bench answers, and auto picked it.
+# each: on two prompts of 48 tokens the graded 3-bit draft q3g30 agreed 92 %, as often as q4 did, and auto
+# picked it; on 426 tokens of Spec-Bench answers it agrees 87 % against q4's 95 %.
 AGREEMENT_PROMPTS = (
     "Explain in a short paragraph why the sky is blue.",
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
