@@ -6,7 +6,7 @@ draft step time, teacher-forced greedy agreement with the F16 and perplexity on 
         --json-file drafts.json --markdown drafts.md --plot drafts.png
 
 --make first collects the activation statistics (when the family has none) and quantizes the recipes the
-family lacks (q4i, q4s, q3g, q3g30), as `specquant calibrate-activations` and `specquant quantize --types`
+family lacks (q4i, q4s, q4si, q3g, q3g30), as `specquant calibrate-activations` and `specquant quantize --types`
 would. Then, one model loaded at a time:
 
 * stream: the F16's own greedy continuation (--stream-tokens) of one chat prompt per Spec-Bench category
@@ -42,8 +42,8 @@ from specquant_cli.backend.llama import Context, Model  # noqa: E402
 from specquant_cli.family.manifest import Family  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-ROLES = ("q4", "q4i", "q3g", "q3g30", "q4s")
-RECIPE_ROLES = ("q4i", "q4s", "q3g", "q3g30")
+ROLES = ("q4", "q4i", "q3g", "q3g30", "q4s", "q4si")
+RECIPE_ROLES = ("q4i", "q4s", "q4si", "q3g", "q3g30")
 CATEGORIES = "coding,math_reasoning,qa,translation,summarization,rag"
 HELD = Path(__file__).with_name("heldout_text.txt")
 WINDOW = 512

@@ -111,6 +111,7 @@ for _spec in (
     # Draft recipes (family.recipes; specquant quantize --types q4i,q4s,q3g,q3g30): any role drafts the same way.
     DrafterSpec("q4i", ("q4i",), _model("q4i"), help="the q4i variant (imatrix Q4_0) drafts"),
     DrafterSpec("q4s", ("q4s",), _model("q4s"), help="the q4s variant (Q4_0, embeddings/output Q4_0) drafts"),
+    DrafterSpec("q4si", ("q4si",), _model("q4si"), help="the q4si variant (q4s with the imatrix) drafts"),
     DrafterSpec("q3g", ("q3g",), _model("q3g"), help="the q3g variant (graded, ~3.5 bits per weight) drafts"),
     DrafterSpec("q3g30", ("q3g30",), _model("q3g30"), help="the q3g30 variant (graded, ~3.0 bits per weight) drafts"),
     DrafterSpec("ngram+q4", ("q4",), _ngram_then_q4,
@@ -132,7 +133,7 @@ def register_role_drafters(role: str) -> None:
                                      help=f"suffix drafts on copy runs, {role} drafts (own adaptive length) elsewhere"))
 
 
-for _role in ("q4", "q8", "q4i", "q4s", "q3g", "q3g30"):
+for _role in ("q4", "q8", "q4i", "q4s", "q4si", "q3g", "q3g30"):
     register_role_drafters(_role)
 
 

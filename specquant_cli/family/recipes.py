@@ -5,6 +5,7 @@ to an existing family as ordinary roles (the other roles of the manifest are kep
 |---------|-----------------------------------------------------------------------------------------|
 | `q4i`   | Q4_0 with the activation importance matrix (llama.cpp's imatrix-weighted rounding)     |
 | `q4s`   | Q4_0 with token embeddings and output at Q4_0 too (`token_embedding_type`, `output_tensor_type`) |
+| `q4si`  | `q4s` with the importance matrix                                                         |
 | `q3g`   | graded to ~3.5 bits per weight (family.grade), imatrix-weighted                          |
 | `q3g30` | graded to ~3.0 bits per weight                                                           |
 
@@ -60,6 +61,7 @@ class Recipe:
 RECIPES = {r.role: r for r in (
     Recipe("q4i", imatrix=True, help="Q4_0 weighted by the activation importance matrix"),
     Recipe("q4s", embeddings="q4_0", help="Q4_0 with token embeddings and output at Q4_0 too (smaller)"),
+    Recipe("q4si", imatrix=True, embeddings="q4_0", help="q4s weighted by the activation importance matrix"),
     Recipe("q3g", imatrix=True, grade=3.5, help="graded precision, ~3.5 bits per weight, imatrix-weighted"),
     Recipe("q3g30", imatrix=True, grade=3.0, help="graded precision, ~3.0 bits per weight, imatrix-weighted"),
 )}

@@ -97,6 +97,8 @@ for _spec in (
     PolicySpec("spec-q4i", "`q4i` (imatrix Q4_0) drafts, F16 verifies", drafter="q4i", in_bench=False),
     PolicySpec("spec-q4s", "`q4s` (Q4_0 with Q4_0 embeddings and output) drafts, F16 verifies", drafter="q4s",
                in_bench=False),
+    PolicySpec("spec-q4si", "`q4si` (`q4s` with the importance matrix) drafts, F16 verifies", drafter="q4si",
+               in_bench=False),
     PolicySpec("spec-q3g", "`q3g` (graded precision, ~3.5 bits per weight) drafts, F16 verifies", drafter="q3g",
                in_bench=False),
     PolicySpec("spec-q3g30", "`q3g30` (graded precision, ~3.0 bits per weight) drafts, F16 verifies",
