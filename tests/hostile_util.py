@@ -13,8 +13,9 @@ from conftest import run_cli
 
 
 def tiny_llama(path: Path, seed: int = 0, dim: int = 64, ff: int = 128, layers: int = 1, vocab: int = 256,
-               token_prefix: str = "t", arch: str = "llama") -> Path:
-    """A small F16 llama GGUF that llama.cpp's quantizer accepts (it cannot chat: no real tokenizer)."""
+               token_prefix: str = "t", arch: str = "llama", layer_gain: float = 0.0) -> Path:
+    """A small F16 llama GGUF that llama.cpp's quantizer accepts (it cannot chat: no real tokenizer).
+    layer_gain > 0 scales layer i's matrices by (1 + layer_gain * i), so layers differ in magnitude."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -38,14 +39,14 @@ def tiny_llama(path: Path, seed: int = 0, dim: int = 64, ff: int = 128, layers: 
 
     w.add_tensor("token_embd.weight", f16(vocab, dim))
     for i in range(layers):
-        p = f"blk.{i}."
+        p, k = f"blk.{i}.", 1.0 + layer_gain * i
         w.add_tensor(p + "attn_norm.weight", np.ones(dim, dtype=np.float32))
         for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            w.add_tensor(p + n + ".weight", f16(dim, dim))
+            w.add_tensor(p + n + ".weight", f16(dim, dim) * k)
         w.add_tensor(p + "ffn_norm.weight", np.ones(dim, dtype=np.float32))
-        w.add_tensor(p + "ffn_gate.weight", f16(ff, dim))
-        w.add_tensor(p + "ffn_up.weight", f16(ff, dim))
-        w.add_tensor(p + "ffn_down.weight", f16(dim, ff))
+        w.add_tensor(p + "ffn_gate.weight", f16(ff, dim) * k)
+        w.add_tensor(p + "ffn_up.weight", f16(ff, dim) * k)
+        w.add_tensor(p + "ffn_down.weight", f16(dim, ff) * k)
     w.add_tensor("output_norm.weight", np.ones(dim, dtype=np.float32))
     w.add_tensor("output.weight", f16(vocab, dim))
     w.write_header_to_file()

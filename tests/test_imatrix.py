@@ -241,39 +241,13 @@ def test_grade_out_of_reach_is_a_clean_error(fam):
 
 # -- a tiny untied model (no forward pass): the plan reaches the file exactly -----------------------------
 def _tiny_untied(path, dim=256, ff=512, layers=2, vocab=512):
-    import gguf
+    """hostile_util's tiny llama with layers of growing magnitude; returns each graded matrix's input width."""
+    from hostile_util import tiny_llama
 
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny")
-    w.add_context_length(256)
-    w.add_embedding_length(dim)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(4)
-    w.add_head_count_kv(4)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(1)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<t{i}>" for i in range(vocab)])
-    w.add_token_types([1] * vocab)
-    w.add_token_merges([])
-    shapes = {"attn_q": (dim, dim), "attn_k": (dim, dim), "attn_v": (dim, dim), "attn_output": (dim, dim),
-              "ffn_gate": (ff, dim), "ffn_up": (ff, dim), "ffn_down": (dim, ff)}
-    w.add_tensor("token_embd.weight", rng.standard_normal((vocab, dim)).astype(np.float16))
-    for i in range(layers):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(dim, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(dim, np.float32))
-        for n, shape in shapes.items():
-            w.add_tensor(f"blk.{i}.{n}.weight", (rng.standard_normal(shape) * (0.5 + i)).astype(np.float16))
-    w.add_tensor("output_norm.weight", np.ones(dim, np.float32))
-    w.add_tensor("output.weight", rng.standard_normal((vocab, dim)).astype(np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return {f"blk.{i}.{n}.weight": shape[1] for i in range(layers) for n, shape in shapes.items()} | {
-        "output.weight": dim}
+    tiny_llama(path, dim=dim, ff=ff, layers=layers, vocab=vocab, layer_gain=2.0)
+    widths = {"attn_q": dim, "attn_k": dim, "attn_v": dim, "attn_output": dim, "ffn_gate": dim, "ffn_up": dim,
+              "ffn_down": ff}
+    return {f"blk.{i}.{n}.weight": w for i in range(layers) for n, w in widths.items()} | {"output.weight": dim}
 
 
 def test_graded_variant_of_an_untied_model_matches_its_plan(tmp_path):
