@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,31 @@ REPO = Path(__file__).resolve().parent.parent
 FAMILY_DIR = REPO / "models" / "smollm2-135m"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def selftest_cache(tmp_path_factory) -> Iterator[Path]:
+    """One XDG cache for the session, holding the llama.cpp build's self-test result: the suite runs the
+    self-test first (child processes) and stops with its one-line reason on a CPU where the build cannot
+    run, instead of dying of a signal mid-suite."""
+    import os
+
+    from specquant_cli.system import selftest
+
+    cache = tmp_path_factory.mktemp("xdg-cache")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)  # for the session fixtures too (set up before _isolate)
+    r = selftest.run()
+    if not r.ok:
+        pytest.exit(f"llama.cpp self-test failed: {r.error}", returncode=1)
+    yield cache
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
 @pytest.fixture(autouse=True)
-def _isolate(monkeypatch, tmp_path_factory):
+def _isolate(monkeypatch, tmp_path_factory, selftest_cache):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(selftest_cache))
     monkeypatch.setenv("COLUMNS", "120")
     monkeypatch.setenv("TERM", "dumb")
     monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))

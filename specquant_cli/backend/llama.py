@@ -30,7 +30,7 @@ _log_file = None  # file object llama.cpp's log goes to, or None to drop it
 _log_cb = None  # keep the ctypes callback alive
 
 
-def _init_backend() -> None:
+def init_backend() -> None:
     global _backend_ready, _log_cb
     if _backend_ready:
         return
@@ -55,7 +55,7 @@ def _init_backend() -> None:
 def llama_log_to(path: Optional[Path]) -> Iterator[None]:
     """Send llama.cpp's own log to `path` (appending) instead of the terminal while the block runs."""
     global _log_file
-    _init_backend()
+    init_backend()
     with _log_lock:
         prev = _log_file
         f = open(path, "a", encoding="utf-8") if path else None
@@ -72,7 +72,7 @@ def llama_log_to(path: Optional[Path]) -> Iterator[None]:
 def _default_log() -> None:
     """SPECQUANT_LLAMA_LOG=FILE keeps llama.cpp's log of model loading; otherwise it is dropped."""
     global _log_file
-    _init_backend()
+    init_backend()
     if _log_file is None and os.environ.get("SPECQUANT_LLAMA_LOG"):
         path = os.environ["SPECQUANT_LLAMA_LOG"]
         try:
@@ -82,21 +82,74 @@ def _default_log() -> None:
                 from None
 
 
+THREADS_PER_CORE = 4  # more threads than this per logical core only wait on each other (100000 crashes llama.cpp)
+
+
+def thread_limit() -> tuple[int, int]:
+    """(most threads a thread-count option accepts, logical cores)."""
+    cores = max(1, os.cpu_count() or 1)
+    return THREADS_PER_CORE * cores, cores
+
+
+def threads_problem(n: int) -> Optional[str]:
+    """Why `n` is no thread count for this machine (1 .. 4 x logical cores), else None."""
+    limit, cores = thread_limit()
+    if n < 1:
+        return "expected a positive integer"
+    if n > limit:
+        return f"at most {limit} threads on this machine ({THREADS_PER_CORE} × {cores} logical cores)"
+    return None
+
+
+def check_threads(n: int, label: str) -> int:
+    why = threads_problem(n)
+    if why:
+        raise InputError(f"{label}: {why}")
+    return n
+
+
 def default_threads() -> int:
-    """SPECQUANT_THREADS when set (a positive integer), else every core. On a machine shared with other
+    """SPECQUANT_THREADS when set (1 .. 4 x logical cores), else every core. On a machine shared with other
     busy processes, fewer threads than cores avoids llama.cpp's threads waiting on each other."""
     env = os.environ.get("SPECQUANT_THREADS", "")
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise InputError(f"SPECQUANT_THREADS={env!r}: expected a positive integer")
-        return int(env)
-    return max(1, os.cpu_count() or 1)
+    if not env:
+        return max(1, os.cpu_count() or 1)
+    shown = env if len(env) <= 24 else env[:24] + "…"
+    if not (env.isascii() and env.isdigit()):
+        raise InputError(f"SPECQUANT_THREADS={shown!r}: expected a positive integer")
+    n = int(env) if len(env) <= 9 else 10**9  # int() refuses 4300+ digits; anything this long is too many
+    return check_threads(n, f"SPECQUANT_THREADS={shown}")
+
+
+def _status(line: str) -> None:
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
+
+
+GPU_DEVICE_TYPES = (1, 2)  # ggml_backend_dev_type: GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU
+
+
+def backend_devices() -> list[tuple[str, int]]:
+    """(name, ggml_backend_dev_type) of every device this llama.cpp build registered (ggml's registry)."""
+    from llama_cpp import llama_cpp as lib_mod
+
+    init_backend()
+    lib = lib_mod._lib  # libllama; the ggml symbols resolve through its dependencies
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.argtypes, lib.ggml_backend_dev_get.restype = [ctypes.c_size_t], ctypes.c_void_p
+    lib.ggml_backend_dev_type.argtypes, lib.ggml_backend_dev_type.restype = [ctypes.c_void_p], ctypes.c_int
+    lib.ggml_backend_dev_name.argtypes, lib.ggml_backend_dev_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+    devs = [lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count())]
+    return [((lib.ggml_backend_dev_name(d) or b"?").decode("utf-8", "replace"), lib.ggml_backend_dev_type(d))
+            for d in devs]
 
 
 def gpu_offload_supported() -> bool:
-    import llama_cpp
-
-    return bool(llama_cpp.llama_supports_gpu_offload())
+    """A GPU backend is built in. (llama_supports_gpu_offload is also true for an RPC-only build, whose
+    "devices" are remote workers, not a local GPU.)"""
+    return any(kind in GPU_DEVICE_TYPES for _, kind in backend_devices())
 
 
 class Model:
@@ -109,6 +162,10 @@ class Model:
         self.path = Path(path)
         if not self.path.is_file():
             raise InputError(f"{self.path}: no such model file")
+        if not vocab_only:  # a build that faults on this CPU is met by the self-test's child, not here
+            from specquant_cli.system import selftest
+
+            selftest.ensure(status=_status)
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
@@ -290,7 +347,7 @@ class Context(PrefixCache):
         import llama_cpp
 
         self.model = model
-        threads = n_threads or default_threads()
+        threads = check_threads(n_threads, "threads") if n_threads else default_threads()
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch

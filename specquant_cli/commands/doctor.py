@@ -20,12 +20,20 @@ def doctor(
     family: Optional[Path] = FamilyOpt,
     n_ctx: int = typer.Option(4096, "--ctx", min=256, max=MAX_CTX, help="Context size the plan reserves KV cache for"),
     verify: bool = typer.Option(False, "--verify", help="With --family: also check each file's sha256"),
+    run_selftest: bool = typer.Option(False, "--selftest", help="Run the llama.cpp build's self-test again "
+                                      "(a decode per weight type, in child processes); exit 1 if it fails"),
     json_out: bool = JsonOpt,
 ) -> None:
-    from specquant_cli.system import hardware
+    from specquant_cli.system import hardware, selftest
     from specquant_cli.system.placement import family_placements
 
     facts = hardware.detect()
+    if run_selftest:
+        err.print("self-test of this llama.cpp build on this CPU (one child process per failure):", markup=False)
+        st = selftest.run(on_type=lambda t, outcome: err.print(f"  {t:5} {outcome}", markup=False))
+    else:
+        st = selftest.cached()
+    facts.build["selftest"] = st.to_dict() if st else None
     report = {"hardware": facts.to_dict(), "advice": hardware.advice(facts)}
     broken: dict[str, str] = {}
     if family is not None or os.environ.get(FAMILY_ENV):
@@ -51,6 +59,10 @@ def doctor(
         out_json(report)
     else:
         _render(report)
+    if st is not None and not st.ok:
+        from specquant_cli.errors import LlamaError
+
+        raise LlamaError(st.error or "the llama.cpp self-test failed")
     if broken:
         from specquant_cli.errors import FamilyError
 
@@ -71,6 +83,7 @@ def _render(report: dict) -> None:
     t.add_row("RAM", f"{gib(hw['ram_available'])} available of {gib(hw['ram_total'])}")
     t.add_row("cores", f"{hw['cores_physical']} physical, {hw['cores_logical']} logical")
     t.add_row("CPU features", " ".join(k for k, v in hw["cpu_flags"].items() if v) or "none of interest")
+    _render_build(t, hw["build"])
     err.print(t)
     if report.get("advice"):
         err.print(f"[yellow]advice:[/] {report['advice']}")
@@ -100,3 +113,17 @@ def _render(report: dict) -> None:
                       markup=False)
         else:
             err.print("calibration: none for this machine yet (specquant calibrate, or the first auto answer)")
+
+
+def _render_build(t: Table, b: dict) -> None:
+    t.add_row("llama.cpp build", f"llama-cpp-python {b['llama_cpp_python']}: "
+                                 + (" ".join(b["cpu_features"]) or "no CPU features reported"))
+    t.add_row("build kernels", f"AMX {'in' if b['amx'] else 'left out'}, CPU repack {'on' if b['repack'] else 'off'},"
+                               f" RPC {'yes' if b['rpc'] else 'no'}")
+    st = b.get("selftest")
+    if st is None:
+        t.add_row("self-test", "not run yet for this build and CPU (doctor --selftest; the first model load runs it)")
+    elif st["ok"]:
+        t.add_row("self-test", f"passed: {', '.join(st['types'])} ({st['seconds']:.1f} s, {st['at']})")
+    else:
+        t.add_row("self-test", f"[red]failed[/]: {escape(st['error'] or '')}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "f16c", "fma", "neon")
@@ -29,6 +29,7 @@ class Facts:
     cores_logical: int
     cpu_flags: dict[str, bool]
     gpu_offload: bool  # the installed llama-cpp-python can offload
+    build: dict = field(default_factory=dict)  # what the installed llama.cpp was built with (build_features)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,7 +88,36 @@ def detect(nvml=None) -> Facts:
     return Facts(gpus=gpus, gpu_status=status, ram_total=int(vm.total), ram_available=int(vm.available),
                  cores_physical=psutil.cpu_count(logical=False) or os.cpu_count() or 1,
                  cores_logical=psutil.cpu_count(logical=True) or os.cpu_count() or 1,
-                 cpu_flags=cpu_flags(), gpu_offload=gpu_offload_supported())
+                 cpu_flags=cpu_flags(), gpu_offload=gpu_offload_supported(), build=build_features())
+
+
+def parse_system_info(text: str) -> dict[str, bool]:
+    """llama_print_system_info's `CPU : SSE3 = 1 | AVX = 1 | ... | REPACK = 1 |` as {feature: on}."""
+    feats: dict[str, bool] = {}
+    for part in text.replace("\n", "|").split("|"):
+        name, eq, value = part.rpartition("=")
+        name = name.split(":")[-1].strip()
+        if eq and name and value.strip().isdigit():
+            feats[name] = value.strip() != "0"
+    return feats
+
+
+def build_features() -> dict:
+    """The installed llama.cpp as it reports itself: its CPU features (llama_print_system_info), whether
+    ggml's AMX and repack kernels are in, RPC and GPU offload support."""
+    import llama_cpp
+
+    from specquant_cli.backend.llama import backend_devices, init_backend
+
+    init_backend()
+    text = llama_cpp.llama_print_system_info()
+    text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
+    feats = parse_system_info(text)
+    return {"llama_cpp_python": getattr(llama_cpp, "__version__", "?"), "system_info": text.strip(),
+            "cpu_features": [k for k, v in feats.items() if v], "amx": any(feats.get(k) for k in feats
+                                                                              if k.startswith("AMX")),
+            "repack": bool(feats.get("REPACK")), "rpc": bool(llama_cpp.llama_supports_rpc()),
+            "devices": [name for name, _ in backend_devices()]}
 
 
 def advice(facts: Facts) -> Optional[str]:

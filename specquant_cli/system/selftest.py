@@ -1,0 +1,337 @@
+"""The build self-test: can this llama.cpp build decode on this CPU?
+
+A llama.cpp build compiled for the host (`-march=native`) can hold kernels that fault on another CPU, or
+on a VM that advertises an extension it does not run (ggml's AMX kernels: SIGILL on every Q4_0/Q8_0
+batch). A signal death is not an error a process can report, so the test runs in a child process: it
+writes a tiny llama model, quantizes it to each weight type the families use and decodes a multi-token
+batch then single steps through each, checking the logits are finite. The parent turns a death into one
+line (which type, which signal, what to do).
+
+The result is cached per build and CPU (`$XDG_CACHE_HOME/specquant/selftest.json`, checked on read) and
+`ensure()` runs it before the first model of a process is loaded, so on a new machine/build pair the
+self-test meets a faulting kernel before the user's answer does.
+
+Child usage: python -m specquant_cli.system.selftest DIR TYPE [TYPE ...]   (prints `ok TYPE` per type; DIR is
+a work folder the parent owns and removes, so a killed child leaves nothing behind)"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from specquant_cli.errors import LlamaError
+
+TYPES = ("f16", "bf16", "q4_0", "q4_k", "q8_0")  # every weight type the families' roles use
+_FTYPES = {"f16": "LLAMA_FTYPE_MOSTLY_F16", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+           "q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+SCHEMA = 1
+TIMEOUT_S = 180.0
+CHILD_ENV = "SPECQUANT_SELFTEST_CHILD"  # set in the child: it never starts a self-test of its own
+FAULT_ENV = "SPECQUANT_SELFTEST_FAULT"  # fault injection for tests: TYPE:SIGNAME kills the child at TYPE
+REBUILD_HINT = ("rebuild llama-cpp-python for this CPU: ./scripts/test.sh does (its wheel cache is keyed by CPU), "
+                "or CFLAGS/CXXFLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' pip install --force-reinstall "
+                "--no-cache-dir --no-binary llama-cpp-python llama-cpp-python==0.3.36")
+
+_in_child = False
+_verified: Optional[str] = None  # the key this process has seen pass
+
+
+@dataclass
+class Result:
+    key: str
+    ok: bool
+    types: dict[str, str] = field(default_factory=dict)  # type -> "ok" or why not
+    error: Optional[str] = None  # the one line for the user when not ok
+    definitive: bool = True  # a signal death or bad logits (cached); False: could not run (not cached)
+    seconds: float = 0.0
+    at: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- identity of the build and the CPU ---------------------------------------------------------------------
+def cpu_id(cpuinfo: str = "/proc/cpuinfo") -> str:
+    keep = []
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part", "Hardware")) and line not in keep:
+                    keep.append(line)
+                if len(keep) >= 2 and line.startswith(("flags", "Features")):
+                    break
+    except OSError:
+        pass
+    keep.append(os.uname().machine)
+    return "".join(keep)
+
+
+def build_id() -> str:
+    """The installed llama-cpp-python: its version and its shared libraries (name, size, mtime)."""
+    import llama_cpp
+
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    parts = [getattr(llama_cpp, "__version__", "?")]
+    for p in sorted(lib.glob("*.so*")) + sorted(lib.glob("*.dylib")) + sorted(lib.glob("*.dll")):
+        st = p.stat()
+        parts.append(f"{p.name}:{st.st_size}:{st.st_mtime_ns}")
+    return "|".join(parts)
+
+
+def key() -> str:
+    return hashlib.sha256(f"{build_id()}\n{cpu_id()}".encode()).hexdigest()[:24]
+
+
+# -- the cache -----------------------------------------------------------------------------------------------
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specquant" / "selftest.json"
+
+
+def _valid_entry(e: object) -> bool:
+    return (isinstance(e, dict) and isinstance(e.get("ok"), bool) and isinstance(e.get("types"), dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in e["types"].items())
+            and (e.get("error") is None or isinstance(e.get("error"), str))
+            and e["ok"] == (e.get("error") is None and set(e["types"]) == set(TYPES)
+                            and all(v == "ok" for v in e["types"].values())))
+
+
+def cached(k: Optional[str] = None) -> Optional[Result]:
+    """This build and CPU's stored result, or None (none stored, or an entry that does not check out)."""
+    k = k or key()
+    try:
+        data = json.loads(cache_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
+        return None
+    e = data["entries"].get(k)
+    if not _valid_entry(e):
+        return None
+    return Result(key=k, ok=e["ok"], types=dict(e["types"]), error=e.get("error"),
+                  seconds=float(e.get("seconds", 0)) if isinstance(e.get("seconds"), (int, float)) else 0.0,
+                  at=str(e.get("at", "")))
+
+
+def _store(r: Result) -> None:
+    """Best effort: a cache that cannot be written only means the test runs again next time."""
+    from specquant_cli.fsutil import write_json_atomic
+
+    path = cache_path()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        entries = data["entries"] if data.get("schema") == SCHEMA and isinstance(data.get("entries"), dict) else {}
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError, TypeError):
+        entries = {}
+    entries = {k: v for k, v in entries.items() if _valid_entry(v)}
+    entries[r.key] = {k: v for k, v in r.to_dict().items() if k not in ("key", "definitive")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"schema": SCHEMA, "entries": entries})
+    except OSError:
+        pass
+
+
+# -- running it ----------------------------------------------------------------------------------------------
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def _death_line(t: str, sig: int) -> str:
+    what = {"SIGILL": "an instruction this CPU cannot run", "SIGSEGV": "a memory fault",
+            "SIGBUS": "a bus error", "SIGFPE": "an arithmetic fault"}.get(_signal_name(sig), "a fatal signal")
+    return (f"this llama.cpp build cannot run on this CPU: it died of {_signal_name(sig)} ({what}) decoding a "
+            f"{t.upper()} model in its self-test; {REBUILD_HINT}")
+
+
+def _run_child(types: list[str], deadline: float) -> tuple[list[str], Optional[int], str]:
+    """One child over `types`. Returns the types it passed, its return code (negative: killed by that signal;
+    None: out of time) and the last line of its stderr."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="specquant-selftest-") as work:
+            cmd = [sys.executable, "-m", "specquant_cli.system.selftest", work, *types]
+            p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                               env={**os.environ, CHILD_ENV: "1"}, timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return [ln.split()[1] for ln in out.splitlines() if ln.startswith("ok ")], None, ""
+    passed = [ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("ok ") and len(ln.split()) == 2]
+    last = next((ln.strip() for ln in reversed(p.stderr.splitlines()) if ln.strip()), "")
+    return passed, p.returncode, last
+
+
+def run(types: tuple[str, ...] = TYPES, on_type: Optional[Callable[[str, str], None]] = None,
+        store: bool = True) -> Result:
+    """Run the self-test now (children; a type that kills its child is recorded and the rest go on in a new
+    one). on_type(type, outcome) hears each result as it comes."""
+    start, k = time.monotonic(), key()
+    deadline = start + TIMEOUT_S
+    results: dict[str, str] = {}
+    error, definitive = None, True
+    todo = list(types)
+    while todo:
+        passed, rc, last = _run_child(todo, deadline)
+        for t in passed:
+            results[t] = "ok"
+            on_type and on_type(t, "ok")
+        todo = [t for t in todo if t not in passed]
+        if not todo:
+            break
+        t, todo = todo[0], todo[1:]
+        if rc is None:
+            results[t], definitive = f"no answer within {TIMEOUT_S:.0f} s", False
+            error = error or f"the llama.cpp self-test did not finish within {TIMEOUT_S:.0f} s (at {t.upper()})"
+            todo = []
+        elif rc < 0:
+            results[t] = f"died of {_signal_name(-rc)}"
+            error = error or _death_line(t, -rc)
+        else:
+            results[t] = last or f"exit code {rc}"
+            bad = last.startswith("bad logits")
+            definitive = definitive and bad
+            error = error or (f"this llama.cpp build gives wrong results on this CPU ({t.upper()}: {last}); "
+                              f"{REBUILD_HINT}" if bad else f"the llama.cpp self-test could not run ({t.upper()}: "
+                              f"{last or f'exit code {rc}'})")
+        on_type and on_type(t, results[t])
+    r = Result(key=k, ok=error is None, types=results, error=error, definitive=definitive,
+               seconds=round(time.monotonic() - start, 2), at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    if store and r.definitive:
+        _store(r)
+    return r
+
+
+def ensure(status: Optional[Callable[[str], None]] = None) -> None:
+    """Before the first model of a process: the cached result for this build and CPU, else the test now.
+    Raises LlamaError (one line) when the build cannot run here."""
+    global _verified
+    if _in_child or os.environ.get(CHILD_ENV) == "1":
+        return
+    k = key()
+    if _verified == k:
+        return
+    r = cached(k)
+    if r is None:
+        if status:
+            status("checking this llama.cpp build on this CPU (once per build and CPU) …")
+        r = run()
+    if not r.ok:
+        raise LlamaError(r.error or "the llama.cpp self-test failed")
+    _verified = k
+
+
+# -- the child -------------------------------------------------------------------------------------------------
+def _tiny_model(path: Path, dim: int = 256, ff: int = 512, vocab: int = 512) -> None:
+    """A one-layer F16 llama with random weights; rows of 256 so every type (Q4_K included) applies."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("specquant-selftest")
+    w.add_context_length(256)
+    w.add_embedding_length(dim)
+    w.add_block_count(1)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(1)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_token_merges(["<t1> <t2>"])  # llama.cpp's BPE vocabulary needs a merges list, even a short one
+
+    def f16(*shape):
+        return (rng.standard_normal(shape) * 0.05).astype(np.float16)
+
+    w.add_tensor("token_embd.weight", f16(vocab, dim))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(dim, dtype=np.float32))
+    for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        w.add_tensor(f"blk.0.{n}.weight", f16(dim, dim))
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(dim, dtype=np.float32))
+    w.add_tensor("blk.0.ffn_gate.weight", f16(ff, dim))
+    w.add_tensor("blk.0.ffn_up.weight", f16(ff, dim))
+    w.add_tensor("blk.0.ffn_down.weight", f16(dim, ff))
+    w.add_tensor("output_norm.weight", np.ones(dim, dtype=np.float32))
+    w.add_tensor("output.weight", f16(vocab, dim))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _check_type(t: str, base: Path, work: Path) -> Optional[str]:
+    """Quantize the tiny model to t and decode a 16-token batch then 4 single steps. None when sound."""
+    import llama_cpp
+    import numpy as np
+
+    from specquant_cli.backend.llama import Context, Model
+
+    path = work / f"{t}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, _FTYPES[t])
+    params.nthread = 1
+    if llama_cpp.llama_model_quantize(os.fsencode(base), os.fsencode(path), params) != 0:
+        return f"could not quantize to {t}"
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault.partition(":")[0] == t:
+        os.kill(os.getpid(), getattr(signal, fault.partition(":")[2] or "SIGILL"))
+    with Model(path) as m:
+        ctx = Context(m, n_ctx=128, n_batch=32, n_threads=min(4, os.cpu_count() or 1))
+        ctx.decode(list(range(1, 17)), logits="all")
+        rows = [ctx.logits(i).copy() for i in range(16)]  # views are valid only until the next decode
+        for _ in range(4):
+            ctx.decode([int(np.argmax(rows[-1]))], logits="last")
+            rows.append(ctx.logits(-1).copy())
+        ctx.close()
+    worst = max(float(np.abs(r).max()) if np.isfinite(r).all() else math.inf for r in rows)
+    if not math.isfinite(worst) or worst > 1e4:  # random weights at 0.05 give logits of a few units
+        return f"bad logits (max |logit| {worst:.3g})"
+    if min(float(np.ptp(r)) for r in rows) <= 0:
+        return "bad logits (constant)"
+    return None
+
+
+def _child(argv: list[str]) -> int:
+    global _in_child
+    _in_child = True
+    from specquant_cli.backend.llama import llama_log_to
+
+    if len(argv) < 2 or not Path(argv[0]).is_dir():
+        print("usage: python -m specquant_cli.system.selftest DIR TYPE [TYPE ...]", file=sys.stderr)
+        return 2
+    work, types = Path(argv[0]), argv[1:]
+    unknown = [t for t in types if t not in _FTYPES]
+    if unknown:
+        print(f"unknown type {unknown[0]} (expected one of {', '.join(TYPES)})", file=sys.stderr)
+        return 2
+    with llama_log_to(None):
+        base = work / "base-f16.gguf"
+        _tiny_model(base)
+        for t in types:
+            why = _check_type(t, base, work)
+            if why:
+                print(why, file=sys.stderr)
+                return 1
+            print(f"ok {t}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # run through the imported module, whose _in_child the backend's ensure() reads
+    from specquant_cli.system import selftest as _module
+
+    sys.exit(_module._child(sys.argv[1:]))
