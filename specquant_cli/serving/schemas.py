@@ -2,7 +2,9 @@
 
 Requests are validated here into `GenerationParams`, the only thing the worker sees. What specquant cannot
 honour (n > 1, tools, images, logprobs, penalties, ...) is refused with a 400 naming the field rather than
-silently ignored; fields that change nothing about the output (user, metadata, store, ...) are accepted."""
+silently ignored; fields that change nothing about the output (user, metadata, store, ...) are accepted.
+The fields specquant reads are strict: no coercion ("4" is not 4, true is not 1), no NaN, bounded integers,
+and every string that reaches the model is valid Unicode (JSON can carry a lone surrogate, UTF-8 cannot)."""
 
 from __future__ import annotations
 
@@ -10,13 +12,17 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
 from specquant_cli.decoding.sampling import SamplingParams
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_INT = 2**31 - 1  # the largest token count (or top_k) a request may ask for; the context refuses far less
+MAX_SEED = 2**64 - 1  # as the CLI's --seed
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
 
 
 class ApiError(Exception):
@@ -24,6 +30,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
                  code: Optional[str] = None, headers: Optional[dict[str, str]] = None):
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate could not be sent
         super().__init__(message)
         self.status = status
         self.message = message
@@ -43,41 +50,66 @@ def error_body(message: str, type: str = "invalid_request_error", param: Optiona
 
 # -- requests -----------------------------------------------------------------------------------------
 
-class _Lenient(BaseModel):
-    """Unknown fields are accepted and ignored (clients send user, metadata, store, ...)."""
+def _unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError("invalid_unicode", "the text is not valid Unicode (it holds a lone surrogate)") \
+            from None
+    return s
 
-    model_config = ConfigDict(extra="allow")
+
+def _non_empty(s: str) -> str:
+    if not s:
+        raise PydanticCustomError("empty_text", "the text is empty")
+    return s
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # every string that reaches the model
+NonEmptyText = Annotated[Text, AfterValidator(_non_empty)]
+
+
+class _Lenient(BaseModel):
+    """Unknown fields are accepted and ignored (clients send user, metadata, store, ...); known ones are strict
+    (an integer is accepted for a float, nothing else is converted)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Lenient):
     include_usage: Optional[bool] = False
 
 
+class ContentPart(_Lenient):
+    type: str
+    text: Optional[NonEmptyText] = None
+
+
 class Message(_Lenient):
     role: str
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: Union[NonEmptyText, Annotated[list[ContentPart], Field(min_length=1)]]
 
 
 class _Common(_Lenient):
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, ge=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)  # not OpenAI's; llama.cpp's servers accept it too
-    seed: Optional[int] = Field(None, ge=0)
-    stop: Union[str, list[str], None] = None
+    top_k: Optional[int] = Field(None, ge=0, le=MAX_INT)  # not OpenAI's; llama.cpp's servers accept it too
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
+    stop: Union[Text, list[Text], None] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(None, ge=1)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, Any]] = None
-    specquant_policy: Optional[str] = None
+    specquant_policy: Optional[Text] = None
 
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
     tools: Optional[Any] = None
@@ -88,7 +120,7 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[Text, list[Text], list[int], list[list[int]]]
     logprobs: Optional[int] = None
     echo: Optional[bool] = None
     suffix: Optional[str] = None
@@ -115,7 +147,9 @@ def _validate(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
+        errors = e.errors()
+        # Of a union's failures, the one past the type check says what is wrong ("empty", not "not a list").
+        err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
         param = _param(err.get("loc", ()))
         raise ApiError(400, f"invalid value for {param or 'the body'}: {err.get('msg', 'invalid')}", param=param,
                        code="invalid_value") from None
@@ -156,7 +190,9 @@ def _stops(stop: Union[str, list[str], None]) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP:
         raise ApiError(400, f"at most {MAX_STOP} stop sequences", param="stop", code="invalid_value")
-    return [s for s in stops if s]
+    if not all(stops):
+        raise ApiError(400, "a stop sequence is empty", param="stop", code="invalid_value")
+    return stops
 
 
 def _sampling(req: _Common) -> SamplingParams:
@@ -165,27 +201,27 @@ def _sampling(req: _Common) -> SamplingParams:
                           top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
 
 
-def _text_content(content, i: int) -> str:
-    if content is None:
-        return ""
+def _text_content(content: Union[str, list[ContentPart]], i: int) -> str:
     if isinstance(content, str):
         return content
-    texts = []
     for j, part in enumerate(content):
-        kind = part.get("type")
-        if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        else:
-            raise _unsupported(f"messages[{i}].content[{j}]", f"content parts of type {kind!r} (text only)")
-    return "\n".join(texts)
+        if part.type != "text":
+            raise _unsupported(f"messages[{i}].content[{j}]", f"content parts of type {part.type!r} (text only)")
+        if part.text is None:
+            raise ApiError(400, "a text part has no text", param=f"messages[{i}].content[{j}].text",
+                           code="invalid_value")
+    return "\n".join(part.text for part in content)
 
 
 def _messages(msgs: list[Message]) -> list[dict]:
     out = []
     for i, m in enumerate(msgs):
-        role = "system" if m.role == "developer" else m.role
-        if role not in ("system", "user", "assistant"):
+        role = ROLES.get(m.role)
+        if m.role in ("tool", "function"):
             raise _unsupported(f"messages[{i}].role", f"role {m.role!r} (system, developer, user, assistant)")
+        if role is None:
+            raise ApiError(400, f"unknown role {m.role!r}: one of {', '.join(ROLES)}", param=f"messages[{i}].role",
+                           code="invalid_value")
         extra = m.model_extra or {}
         for name in ("tool_calls", "function_call"):
             if extra.get(name):
