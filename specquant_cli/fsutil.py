@@ -22,8 +22,9 @@ from typing import Optional
 
 from specquant_cli.errors import InputError
 
-# .NAME.PID.RANDOM.part (and the older .NAME.PID.part), and the fetch work folders .fetch-PID-XXXX
-TEMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)(?:\.[0-9a-f]{8})?\.part$")
+# .NAME.PID.RANDOM.part (and the older .NAME.PID.part), and the fetch work folders .fetch-PID-XXXX. NAME is
+# matched lazily: a RANDOM of 8 decimal digits (1 in 43) is not a PID, nor is the PID part of NAME.
+TEMP_RE = re.compile(r"^\.(?P<name>.+?)\.(?P<pid>\d+)(?:\.[0-9a-f]{8})?\.part$")
 WORKDIR_RE = re.compile(r"^\.fetch-(?P<pid>\d+)-")
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 

@@ -19,7 +19,20 @@ ConfigOpt = typer.Option(None, "--config", help="Router config (TOML, [router] t
 JsonOpt = typer.Option(False, "--json", help="JSON on stdout (one object per answer or report)")
 MAX_CTX = 1 << 20
 CtxOpt = typer.Option(4096, "--ctx", min=256, max=MAX_CTX, help="Context size (tokens)")
-ThreadsOpt = typer.Option(0, "--threads", min=0, max=1024, help="Quantizer threads (0 = all cores)")
+
+
+def thread_bound(value: Optional[int]) -> Optional[int]:
+    """Option callback: a --threads count of at most 4 x logical cores (0 and None mean the default)."""
+    if value:
+        from specquant_cli.backend.llama import threads_problem
+
+        why = threads_problem(value)
+        if why:
+            raise typer.BadParameter(f"{value}: {why}")
+    return value
+
+
+ThreadsOpt = typer.Option(0, "--threads", min=0, callback=thread_bound, help="Quantizer threads (0 = all cores)")
 SeedOpt = typer.Option(None, "--seed", min=0, max=2**64 - 1, help="Same seed, same sampled output")
 
 

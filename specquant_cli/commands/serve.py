@@ -5,7 +5,7 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, PolicyOpt, load_family
+from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, PolicyOpt, load_family, thread_bound
 
 API_KEY_ENV = "SPECQUANT_API_KEY"
 
@@ -36,7 +36,8 @@ def serve(
                                    help="New tokens for a request that sets no max_tokens"),
     max_body: int = typer.Option(1 << 20, "--max-body", min=1024, help="Largest request body in bytes (413 above)"),
     gamma: int = typer.Option(4, "--gamma", min=1, max=16, help="Draft length (initial, for adaptive)"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="llama.cpp threads (default: all cores)"),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, callback=thread_bound,
+                                          help="llama.cpp threads (default: all cores)"),
     n_ctx: int = CtxOpt,
     config: Optional[Path] = ConfigOpt,
 ) -> None:

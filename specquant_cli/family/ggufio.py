@@ -228,12 +228,7 @@ def read_info(path: Path) -> GGUFInfo:
     if end > size or not header.tensors:
         raise ModelFileError(f"{path}: truncated GGUF (tensor data ends at byte {end}, file has {size})")
     weight_type = max(types, key=types.get) if types else "F32"
-    ft = kv.get("general.file_type")
-    try:
-        name = gguf.LlamaFileType(ft).name if isinstance(ft, int) and not isinstance(ft, bool) else ""
-        file_type = name.removeprefix("MOSTLY_").removeprefix("ALL_")
-    except ValueError:
-        file_type = ""
+    file_type = ftype_name(kv.get("general.file_type"))
     hp = {}
     for k in ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
               "context_length", "attention.key_length", "attention.value_length"):
@@ -251,6 +246,85 @@ def read_info(path: Path) -> GGUFInfo:
         provenance=text(PROVENANCE_KEY), chat_template=text("tokenizer.chat_template"),
         vocab_sha256=kv.get("tokenizer.ggml.tokens") if isinstance(kv.get("tokenizer.ggml.tokens"), str) else None,
     )
+
+
+def ftype_name(ft) -> str:
+    """A general.file_type value as llama.cpp names it (Q4_K_M, F16, ...); "" when absent or unknown."""
+    import gguf
+
+    if not isinstance(ft, int) or isinstance(ft, bool):
+        return ""
+    try:
+        return gguf.LlamaFileType(ft).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
+        return ""
+
+
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_SCALAR_BYTES = {t: struct.calcsize(f) for t, f in _SCALARS.items()}
+FILE_TYPE_KEY = b"general.file_type"
+
+
+def _skip_value(buf, pos: int, vtype: int) -> int:
+    """The offset after a metadata value at `pos`, without decoding it (struct.error past the end)."""
+    if vtype in _SCALAR_BYTES:
+        return pos + _SCALAR_BYTES[vtype]
+    if vtype == _STRING:
+        return pos + 8 + _U64.unpack_from(buf, pos)[0]
+    if vtype != _ARRAY:
+        raise ValueError(f"metadata value of type {vtype}")
+    etype, count = _U32.unpack_from(buf, pos)[0], _U64.unpack_from(buf, pos + 4)[0]
+    pos += 12
+    if etype in _SCALAR_BYTES:
+        return pos + _SCALAR_BYTES[etype] * count
+    if etype != _STRING:
+        raise ValueError(f"array of type {etype}")
+    if count * 8 > len(buf) - pos:  # each string takes 8 bytes at least
+        raise ValueError("array past the end")
+    unpack = _U64.unpack_from
+    for _ in range(count):
+        pos += unpack(buf, pos)[0] + 8
+    return pos
+
+
+def read_file_type(path: Path) -> str:
+    """general.file_type of a GGUF whose header_problem() is None, as ftype_name() names it ("" when absent):
+    the metadata is walked only up to that key, values skipped undecoded (a few ms for a 49k-token vocabulary).
+    ModelFileError when the metadata runs past the end of the file."""
+    import mmap
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            if ident not in _file_types:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                    if len(_file_types) >= 64:
+                        _file_types.clear()
+                    _file_types[ident] = _walk_to_file_type(buf)
+            return _file_types[ident]
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read it ({e.strerror})") from None
+    except (struct.error, ValueError):
+        raise ModelFileError(f"{path}: truncated or corrupt GGUF (metadata runs past the end of the file)") from None
+
+
+_file_types: dict[tuple, str] = {}  # (dev, inode, size, mtime, ctime) -> file type: a file read once per process
+
+
+def _walk_to_file_type(buf) -> str:
+    n_kv, pos = _U64.unpack_from(buf, 16)[0], 24
+    for _ in range(n_kv):
+        n = _U64.unpack_from(buf, pos)[0]
+        key, pos = buf[pos + 8:pos + 8 + n], pos + 8 + n
+        vtype, pos = _U32.unpack_from(buf, pos)[0], pos + 4
+        if key == FILE_TYPE_KEY and vtype in (4, 5):  # uint32 / int32
+            return ftype_name(struct.unpack_from(_SCALARS[vtype], buf, pos)[0])
+        pos = _skip_value(buf, pos, vtype)
+        if pos > len(buf):
+            raise ValueError("past the end")
+    return ""
 
 
 def kv_cache_bytes(hparams: dict[str, int], n_ctx: int, bytes_per_elem: int = 2) -> int:

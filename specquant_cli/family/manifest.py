@@ -1,28 +1,43 @@
 """A quantized family on disk: manifest, roles -> variant files, provenance, verification.
 
 A family is checked, not trusted: every variant path must be relative and stay inside the family folder
-after resolving (no absolute path, no '..', no symlink out); a file's size and GGUF header are checked
-before it is used, its sha256 by `verify` (doctor --verify, pull's "present" check).
+after resolving (no absolute path, no '..', no symlink out); a file's size, GGUF header and file type
+(general.file_type against the record's type) are checked before it is used, its sha256 by `verify` (doctor
+--verify, pull's "present" check). A manifest that gives a key twice is refused.
 
-Updates commit through a journal: new variant files are written under temp names first, then a journal
-(`.specquant-commit.json`: the renames and the new manifest) is written atomically, the renames are done
-and the manifest replaced. A process killed mid-commit leaves the journal; the next load or quantize
-finishes it, so a family folder is always the old family or the new one, complete."""
+Updates commit through a journal, holding the family's lock (flock on `.specquant.lock`; the kernel drops it
+when its holder dies): new variant files are written under temp names first, then a journal
+(`.specquant-commit.json`: the renames and the new manifest) is written atomically, the renames are done,
+the old manifest kept as `manifest.json.prev` and the new one written. A process killed mid-commit leaves
+the journal; the next load or quantize that finds the lock free verifies it (every rename one of our temp
+files into a name the new manifest uses, every variant of the new manifest usable) and finishes it, or sets
+it aside as `.specquant-commit.json.unusable`; so a family folder is always the old family or the new one,
+complete."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import stat
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import FamilyError, ModelFileError
-from specquant_cli.fsutil import TEMP_RE, fsync_dir, pid_alive, sha256_file, write_json_atomic
+from specquant_cli.fsutil import TEMP_RE, fsync_dir, sha256_file, write_bytes_atomic, write_json_atomic
 
 MANIFEST = "manifest.json"
+PREV_MANIFEST = MANIFEST + ".prev"  # the manifest the last commit replaced
 JOURNAL = ".specquant-commit.json"
+UNUSABLE_JOURNAL = JOURNAL + ".unusable"  # a journal that did not check out, set aside
+LOCK = ".specquant.lock"
+RESERVED = {MANIFEST, PREV_MANIFEST, JOURNAL, UNUSABLE_JOURNAL, LOCK, "manifest.json.unusable"}
+PARENT_ROLE = "f16"
 ROLES = ("q4", "q8", "f16")
 DEFAULT_FAMILY_DIR = Path("models") / "smollm2-135m"
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest is a few KiB; anything this large is not one
@@ -48,12 +63,24 @@ def _read_json_object(path: Path) -> dict:
     if st.st_size > MAX_MANIFEST_BYTES:
         raise ValueError(f"{st.st_size} bytes, too large for a manifest")
     try:
-        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+        data = json.loads(Path(path).read_bytes().decode("utf-8"), object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as e:
         raise ValueError(f"not UTF-8 at byte {e.start}") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
     if not isinstance(data, dict):
         raise ValueError(f"a JSON {type(data).__name__}, not an object")
     return data
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json's object_pairs_hook: a key given twice is refused (json.loads would keep the last silently)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
 
 
 def read_existing(root: Path) -> tuple[Optional[dict], Optional[str]]:
@@ -74,13 +101,15 @@ def _plain_name(n) -> bool:
 
 
 def commit(root: Path, renames: list[tuple[Path, Path]], manifest: dict) -> None:
-    """Rename finished temp files into place and write the manifest, as one recoverable step."""
+    """Rename finished temp files into place and write the manifest, as one recoverable step, holding the
+    family's lock (FamilyError when another process holds it: nothing is changed then)."""
     from specquant_cli.interrupts import deferred
 
     root = Path(root)
     journal = {"pid": os.getpid(), "renames": [[Path(t).name, Path(f).name] for t, f in renames],
                "manifest": manifest}
-    with deferred():  # Ctrl-C / SIGTERM wait the few milliseconds this takes; SIGKILL is what the journal is for
+    # Ctrl-C / SIGTERM wait the milliseconds this takes; SIGKILL is what the journal is for
+    with family_lock(root), deferred():
         try:
             write_json_atomic(root / JOURNAL, journal)
         except OSError as e:
@@ -97,63 +126,264 @@ def _roll_forward(root: Path, journal: dict) -> None:
     for tmp, final in journal["renames"]:
         if os.path.lexists(root / tmp):
             os.replace(root / tmp, root / final)
+            if os.path.lexists(root / tmp):  # both were links to one file: rename(2) then leaves both
+                os.unlink(root / tmp)
     fsync_dir(root)
+    _keep_previous(root, journal["manifest"])
     write_json_atomic(root / MANIFEST, journal["manifest"])
     os.unlink(root / JOURNAL)
     fsync_dir(root)
 
 
-def _journal_problem(j) -> Optional[str]:
-    if not isinstance(j, dict) or not _is_int(j.get("pid")):
-        return "no pid"
-    if not isinstance(j.get("manifest"), dict) or not isinstance(j["manifest"].get("variants"), dict):
-        return "no manifest"
-    ren = j.get("renames")
-    if not isinstance(ren, list):
-        return "no renames"
-    for pair in ren:
-        if not (isinstance(pair, list) and len(pair) == 2 and all(_plain_name(n) for n in pair)
-                and TEMP_RE.match(pair[0])):
-            return f"bad rename {pair!r}"
+def _keep_previous(root: Path, new: dict) -> None:
+    """The manifest about to be replaced, kept as manifest.json.prev (unless it already is the new one: a commit
+    that died after writing it is being finished)."""
+    mpath = root / MANIFEST
+    try:
+        st = os.lstat(mpath)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+        return
+    data = mpath.read_bytes()
+    try:
+        if json.loads(data) == new:
+            return
+    except (ValueError, RecursionError):
+        pass
+    write_bytes_atomic(root / PREV_MANIFEST, data)
+
+
+# -- the family's lock: held while committing (and by quantize for its whole run) -----------------------
+_held: dict[tuple, list] = {}  # (dev, inode, thread) of a lock file this process holds -> [fd, depth]
+_held_guard = threading.Lock()
+class LockUnavailable(FamilyError):
+    """The lock file cannot be opened (a read-only folder): no update can be made here, nor be under way
+    from this user."""
+
+
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_lock(root: Path) -> int:
+    path = root / LOCK
+    try:
+        fd = os.open(path, _LOCK_FLAGS, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise FamilyError(f"{path} is a symbolic link; refusing to lock through it (remove it)") from None
+        try:  # a read-only folder: an existing lock file can still be locked
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            raise LockUnavailable(f"{root}: cannot open the family's lock {LOCK} ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FamilyError(f"{path} is not a regular file; remove it")
+    return fd
+
+
+def _same_inode(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _acquire(root: Path) -> tuple[tuple, bool]:
+    """(key, taken now) for the family's lock; FamilyError when another process holds it."""
+    for _ in range(64):
+        fd = _open_lock(root)
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, threading.get_ident())
+        with _held_guard:
+            if key in _held:  # this thread holds it already: re-entrant
+                os.close(fd)
+                _held[key][1] += 1
+                return key, False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise FamilyError(f"{root} is being updated by another process (it holds {LOCK}); "
+                                  "try again when it has finished") from None
+            raise FamilyError(f"{root}: cannot lock the family ({e.strerror})") from None
+        if _same_inode(fd, root / LOCK):  # not a file its last holder removed while we opened it
+            with _held_guard:
+                _held[key] = [fd, 1]
+            return key, True
+        os.close(fd)
+    raise FamilyError(f"{root}: cannot lock the family (its lock file keeps changing)")
+
+
+def _release(root: Path, key: tuple) -> None:
+    with _held_guard:
+        entry = _held[key]
+        entry[1] -= 1
+        if entry[1]:
+            return
+        del _held[key]
+    with contextlib.suppress(OSError):  # removed while held, so a folder is left as it was found
+        os.unlink(root / LOCK)
+    os.close(entry[0])  # the kernel releases the lock here, as it does when its holder dies, however
+
+
+@contextlib.contextmanager
+def family_lock(root: Path) -> Iterator[None]:
+    """Hold the family folder's update lock (flock on its .specquant.lock, re-entrant within a thread).
+    FamilyError when another process holds it. The kernel releases it when its holder dies."""
+    root = Path(root)
+    key, _ = _acquire(root)
+    try:
+        yield
+    finally:
+        _release(root, key)
+
+
+# -- recovery: a journal is verified, never trusted ---------------------------------------------------------
+def _rename_problem(root: Path, pair, files: dict[str, Path]) -> Optional[str]:
+    """Why one [temp, final] pair of a journal cannot be done; records final -> the file that will be there."""
+    if not (isinstance(pair, list) and len(pair) == 2 and all(_plain_name(n) for n in pair)):
+        return f"bad rename {pair!r}"
+    tmp, final = pair
+    m = TEMP_RE.match(tmp)
+    if not m or m.group("name") != final or TEMP_RE.match(final) or final in RESERVED:
+        return f"bad rename {tmp!r} -> {final!r}"
+    if final in files:
+        return f"{final} is renamed to twice"
+    src = root / tmp if os.path.lexists(root / tmp) else root / final  # else renamed already
+    try:
+        st = os.lstat(src)
+    except OSError:
+        return f"{tmp} is gone"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{src.name} is not a regular file"
+    files[final] = src
     return None
 
 
-def recover(root: Path) -> bool:
-    """Finish an update that a killed process left mid-commit. True when one was finished."""
-    root = Path(root)
-    jpath = root / JOURNAL
-    if not os.path.lexists(jpath):
-        return False
-    try:
-        j = _read_json_object(jpath)
-        why = _journal_problem(j)
-    except (OSError, ValueError) as e:
-        why = str(e)
-    if why:
+def _named_files(m: dict) -> dict[str, str]:
+    """Files a manifest names besides the variants: name -> kind (imatrix, plan)."""
+    named = {}
+    imx = m.get("imatrix")
+    if isinstance(imx, dict) and isinstance(imx.get("file"), str):
+        named[imx["file"]] = "imatrix"
+    for v in m["variants"].values():
+        grade = v.get("grade") if isinstance(v, dict) else None
+        if isinstance(grade, dict) and isinstance(grade.get("plan_file"), str):
+            named[grade["plan_file"]] = "plan"
+    return named
+
+
+def _other_file_problem(m: dict, name: str, kind: str, src: Path) -> Optional[str]:
+    from specquant_cli.family.ggufio import header_problem
+
+    if kind == "plan":
         try:
-            os.unlink(jpath)
-        except OSError:
-            pass
-        _warn(f"{jpath}: ignored an invalid update journal ({why})")
-        return False
-    if j["pid"] != os.getpid() and pid_alive(j["pid"]):
-        raise FamilyError(f"{root} is being updated by process {j['pid']}; try again when it has finished")
-    lost = [t for t, f in j["renames"] if not os.path.lexists(root / t) and not os.path.lexists(root / f)]
-    if lost:
-        os.unlink(jpath)
-        _warn(f"{root}: an interrupted update could not be finished ({lost[0]} is gone); "
-              "run specquant quantize again")
+            _read_json_object(src)
+        except (OSError, ValueError) as e:
+            return f"{name}: not a grading plan ({getattr(e, 'strerror', None) or e})"
+        return None
+    why = header_problem(src)
+    size = m["imatrix"].get("size_bytes")
+    if not why and _is_int(size) and src.stat().st_size != size:
+        why = f"{src.stat().st_size} bytes, the manifest says {size}"
+    return f"{name}: {why}" if why else None
+
+
+def _journal_problem(root: Path, j) -> Optional[str]:
+    """Why a journal cannot be rolled forward: every rename a temp file of ours into a name the new manifest
+    uses, and the new manifest complete (the parent there, every variant usable once the renames are done)."""
+    m = j.get("manifest")
+    if not isinstance(m, dict):
+        return "no manifest"
+    why = _structure_problem(m)
+    if why:
+        return f"its manifest: {why}"
+    if PARENT_ROLE not in m["variants"]:
+        return f"its manifest has no {PARENT_ROLE} variant"
+    renames = j.get("renames")
+    if not isinstance(renames, list):
+        return "no renames"
+    files: dict[str, Path] = {}
+    for pair in renames:
+        why = _rename_problem(root, pair, files)
+        if why:
+            return why
+    future = Family(root, m, files)
+    for role in future.roles():
+        why = future.problem(role)
+        if why:
+            return f"its {role} variant: {why}"
+    named = _named_files(m)
+    variant_paths = {v.get("path") for v in m["variants"].values()}
+    for final, src in files.items():
+        if final in variant_paths:
+            continue
+        if final not in named:
+            return f"it renames a file to {final}, which its manifest does not name"
+        why = _other_file_problem(m, final, named[final], src)
+        if why:
+            return why
+    return None
+
+
+def _set_aside(root: Path, why: str) -> None:
+    """An unusable journal is not obeyed nor thrown away: kept as .specquant-commit.json.unusable."""
+    try:
+        os.replace(root / JOURNAL, root / UNUSABLE_JOURNAL)
+        kept = f"kept as {UNUSABLE_JOURNAL}"
+    except OSError as e:
+        kept = f"it could not be moved aside: {e.strerror}"
+    _warn(f"{root / JOURNAL}: ignored an invalid update journal ({why}); the family is unchanged, {kept}")
+
+
+def _read_journal(root: Path) -> tuple[Optional[dict], Optional[str]]:
+    try:
+        j = _read_json_object(root / JOURNAL)
+    except (OSError, ValueError) as e:
+        return None, str(getattr(e, "strerror", None) or e)
+    return j, _journal_problem(root, j)
+
+
+def recover(root: Path) -> bool:
+    """Finish an update that a killed process left mid-commit, once its journal checks out. True when one was
+    finished. FamilyError while another process holds the family's lock (its update is under way)."""
+    root = Path(root)
+    if not os.path.lexists(root / JOURNAL):
         return False
     try:
-        _roll_forward(root, j)
-    except OSError as e:
-        raise FamilyError(f"{root}: an interrupted update could not be finished ({e.strerror}); "
-                          "run specquant quantize again with write access") from None
+        with family_lock(root):
+            if not os.path.lexists(root / JOURNAL):  # its writer finished it meanwhile
+                return False
+            j, why = _read_journal(root)
+            if why:
+                _set_aside(root, why)
+                return False
+            try:
+                _roll_forward(root, j)
+            except OSError as e:
+                raise FamilyError(f"{root}: an interrupted update could not be finished ({e.strerror}); "
+                                  "run specquant quantize again with write access") from None
+    except LockUnavailable as e:
+        return _cannot_recover(root, e)
     _warn(f"{root}: finished an update that an interrupted process left half done")
     return True
 
 
-# -- path safety --------------------------------------------------------------------------------------
+def _cannot_recover(root: Path, e: LockUnavailable) -> bool:
+    """A folder we cannot write: an invalid journal is ignored (left there), a valid one is an error."""
+    _, why = _read_journal(root)
+    if why:
+        _warn(f"{root / JOURNAL}: ignored an invalid update journal ({why}); the family is unchanged, the journal "
+              f"left there (the folder cannot be written)")
+        return False
+    raise FamilyError(f"{e}: an interrupted update cannot be finished; run specquant quantize again with "
+                      "write access") from None
+
+
+# -- path safety and variant files ---------------------------------------------------------------------
 def safe_path(root: Path, rel) -> tuple[Optional[Path], Optional[str]]:
     """(root/rel, None) when `rel` is a relative path that stays inside `root` once resolved, else (None, why)."""
     if not isinstance(rel, str) or not rel.strip():
@@ -174,22 +404,58 @@ def safe_path(root: Path, rel) -> tuple[Optional[Path], Optional[str]]:
     return full, None
 
 
-def _check_structure(m: dict, mpath: Path) -> None:
+def _structure_problem(m: dict) -> Optional[str]:
     variants = m.get("variants")
     if not isinstance(variants, dict) or not variants:
-        raise FamilyError(f"{mpath}: manifest has no variants (needs \"variants\": {{role: {{...}}}})")
+        return "manifest has no variants (needs \"variants\": {role: {...}})"
     hp = m.get("hparams", {})
     if not isinstance(hp, dict) or not all(_is_int(v) and v >= 0 for v in hp.values()):
-        raise FamilyError(f"{mpath}: manifest \"hparams\" must map names to non-negative integers")
+        return "manifest \"hparams\" must map names to non-negative integers"
     for key, kind in (("family", str), ("architecture", str), ("base", dict), ("roles", dict)):
         if key in m and not isinstance(m[key], kind):
-            raise FamilyError(f"{mpath}: manifest \"{key}\" must be a JSON {'string' if kind is str else 'object'}")
+            return f"manifest \"{key}\" must be a JSON {'string' if kind is str else 'object'}"
+    return None
+
+
+def _check_structure(m: dict, mpath: Path) -> None:
+    why = _structure_problem(m)
+    if why:
+        raise FamilyError(f"{mpath}: {why}")
+
+
+def _file_problem(full: Path, rel: str, size: int, qtype) -> Optional[str]:
+    """Why the file of a variant record cannot be used: presence, size, GGUF header, file type (a header read)."""
+    from specquant_cli.family.ggufio import header_problem, read_file_type
+    from specquant_cli.family.quantize import QUANT_TYPES
+
+    try:
+        st = os.stat(full)
+    except FileNotFoundError:
+        return f"{rel} is missing"
+    except OSError as e:
+        return f"{rel}: {e.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{rel} is not a regular file"
+    if st.st_size != size:
+        return f"{rel} is {st.st_size} bytes, the manifest says {size} (truncated or replaced)"
+    hp = header_problem(full)
+    if hp:
+        return f"{rel}: {hp}"
+    want = qtype.upper() if isinstance(qtype, str) and qtype in QUANT_TYPES else ""  # recipe roles carry a label
+    try:
+        got = read_file_type(full) if want else ""
+    except ModelFileError as e:
+        return f"{rel}: {str(e).removeprefix(f'{full}: ')}"
+    if got and got != want:
+        return f"{rel}: its weights are {got}, the manifest says {want}"
+    return None
 
 
 @dataclass
 class Family:
     root: Path
     manifest: dict
+    staged: dict[str, Path] = field(default_factory=dict)  # path -> the file a pending commit renames there
 
     @classmethod
     def load(cls, root: Path | str) -> Family:
@@ -238,9 +504,8 @@ class Family:
         return v
 
     def problem(self, role: str, hashes: bool = False) -> Optional[str]:
-        """Why the `role` variant cannot be used (path, presence, size, GGUF header; sha256 with `hashes`)."""
-        from specquant_cli.family.ggufio import header_problem
-
+        """Why the `role` variant cannot be used (path, presence, size, GGUF header and file type; sha256 with
+        `hashes`)."""
         v = self.manifest["variants"].get(role)
         if v is None:
             return "its manifest record is null" if role in self.manifest["variants"] else "not in the manifest"
@@ -252,25 +517,15 @@ class Family:
         rel, size = v["path"], v.get("size_bytes")
         if not _is_int(size) or size < 0:
             return "its size_bytes is missing or not a non-negative integer"
-        try:
-            st = os.stat(full)
-        except FileNotFoundError:
-            return f"{rel} is missing"
-        except OSError as e:
-            return f"{rel}: {e.strerror}"
-        if not stat.S_ISREG(st.st_mode):
-            return f"{rel} is not a regular file"
-        if st.st_size != size:
-            return f"{rel} is {st.st_size} bytes, the manifest says {size} (truncated or replaced)"
-        hp = header_problem(full)
-        if hp:
-            return f"{rel}: {hp}"
-        if hashes:
-            sha = v.get("sha256")
-            if not isinstance(sha, str):
-                return "no sha256 recorded"
-            if sha256_file(full) != sha:
-                return f"{rel}: sha256 differs from the manifest (the file changed or is corrupt)"
+        full = self.staged.get(rel, full)
+        why = _file_problem(full, rel, size, v.get("type"))
+        if why or not hashes:
+            return why
+        sha = v.get("sha256")
+        if not isinstance(sha, str):
+            return "no sha256 recorded"
+        if sha256_file(full) != sha:
+            return f"{rel}: sha256 differs from the manifest (the file changed or is corrupt)"
         return None
 
     def path(self, role: str) -> Path:
