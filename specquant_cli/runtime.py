@@ -92,23 +92,36 @@ class Runtime:
         return d
 
     # -- measured costs ---------------------------------------------------------------------------
-    def calibration(self, measure: bool = True, force: bool = False):
-        """This machine's measured costs for the family (system.calibration): read from the family folder,
-        else measured now (with progress on stderr) and saved there; None when `measure` is False and
-        nothing is cached. A cached entry that lacks a draft role the family has gained since (a recipe
-        added by `quantize --types`) is measured again when `measure` is True; `force` measures regardless."""
+    def calibration(self, measure: bool = True, force: bool = False, require_save: bool = False):
+        """This machine's measured costs for the family (system.calibration): read from the family folder (or
+        the user cache, for a family folder that cannot be written), else measured now (with progress on
+        stderr) and saved there; None when `measure` is False and nothing valid is cached. A stored entry
+        is checked on every read: an invalid one is not used, and the reason goes to stderr (once). A cached
+        entry that lacks a draft role the family has gained since (a recipe added by `quantize --types`) is
+        measured again when `measure` is True; `force` measures regardless. `require_save`: refuse (before
+        measuring) when the result could be saved nowhere."""
+        from specquant_cli.system import calibration as cal
+
         if force:
-            from specquant_cli.system import calibration as cal
-
-            self._calibration = self._measure(cal, cal.fingerprint(self.facts, self.threads))
+            self._calibration = self._measure(cal, cal.fingerprint(self.facts, self.threads), require_save)
         if self._calibration is None or (measure and self._uncalibrated()):
-            from specquant_cli.system import calibration as cal
-
             fp = cal.fingerprint(self.facts, self.threads)
-            self._calibration = cal.load(self.family.root, fp)
+            self._calibration, why = cal.load_checked(self.family.root, fp)
             if measure and (self._calibration is None or self._uncalibrated()):
-                self._calibration = self._measure(cal, fp)
+                if why:
+                    self._say_once(f"calibration: {why}; measuring again")
+                self._calibration = self._measure(cal, fp, require_save)
+            elif why:
+                self._say_once(f"calibration: {why}; not used (specquant calibrate measures it again)")
         return self._calibration
+
+    def _say_once(self, line: str) -> None:
+        from specquant_cli.console import err
+
+        said = self.__dict__.setdefault("_said", set())
+        if line not in said:
+            said.add(line)
+            err.print(line, markup=False)
 
     def draft_roles(self) -> list[str]:
         """The family's roles that draft as models (q4, q8, recipes such as q4i, q3g)."""
@@ -148,10 +161,12 @@ class Runtime:
         c = self._calibration
         return [r for r in self.draft_roles() if c is None or (r not in c.draft_step_s and r not in c.left_out)]
 
-    def _measure(self, cal, fp):
+    def _measure(self, cal, fp, require_save: bool = False):
         from specquant_cli.console import err
         from specquant_cli.errors import ResourceError
 
+        if require_save:
+            cal.save_target(self.family.root)  # a one-line error now, not after a minute of measuring
         before = set(self._ctx)
         self.ensure([PARENT_ROLE])
         drafts, skipped = [], []
@@ -169,8 +184,15 @@ class Runtime:
                             lambda what, i, n: status.update(f"calibrating: {what} ({i}/{n})"))
         c.left_out = skipped
         try:
-            cal.save(self.family.root, fp, c)
+            where, why = cal.save(self.family.root, fp, c)
+            if why is not None:
+                err.print(f"calibration: cannot write in the family folder {self.family.root} ({why}); this "
+                          f"machine's costs are kept in {where}", markup=False)
         except OSError as e:
+            if require_save:
+                from specquant_cli.errors import InputError
+
+                raise InputError(f"calibration not saved ({e.strerror or e})") from None
             err.print(f"warning: calibration not saved ({e.strerror}): it is measured again next time", markup=False)
         self.release([r for r in drafts if r not in before])  # loaded only to be measured
         return c

@@ -11,7 +11,8 @@ from specquant_cli.console import err, out_json
 
 def register(app: typer.Typer) -> None:
     app.command("calibrate", help="Measure this machine's call costs for a family (the auto policy's cost model); "
-                                  "cached in the family folder.")(calibrate)
+                                  "cached in the family folder (in the user cache when that folder "
+                                  "is read-only).")(calibrate)
 
 
 def calibrate(
@@ -25,7 +26,7 @@ def calibrate(
     fam = load_family(family)
     runtime = Runtime(fam, n_ctx=n_ctx)
     try:
-        c = runtime.calibration(force=force)
+        c = runtime.calibration(force=force, require_save=True)  # unsaveable: refused before measuring
     finally:
         runtime.close()
     if json_out:

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import FamilyOpt, JsonOpt, load_family
+from specquant_cli.commands.options import FamilyOpt, JsonOpt, load_family, thread_bound
 from specquant_cli.console import err, out_json
 
 
@@ -24,7 +24,8 @@ def calibrate_activations(
                                                     "chat, code and prose, ~4k tokens)"),
     tokens: int = typer.Option(4096, "--tokens", min=16, help="Use at most this many calibration tokens"),
     chunk: int = typer.Option(512, "--chunk", min=32, max=8192, help="Tokens per forward pass (a fresh cache each)"),
-    threads: int = typer.Option(0, "--threads", min=0, help="llama.cpp threads (0 = the default)"),
+    threads: int = typer.Option(0, "--threads", min=0, callback=thread_bound,
+                                help="llama.cpp threads (0 = the default)"),
     json_out: bool = JsonOpt,
 ) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -33,14 +34,21 @@ def calibrate_activations(
 
     fam = load_family(family)
     t0 = time.perf_counter()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                  TimeElapsedColumn(), console=err, transient=False) as prog:
-        task = prog.add_task(f"activations of {fam.name} f16", total=None)
+    if not err.is_terminal:  # a log, not a terminal: one plain line per chunk instead of a live bar
+        def line(done: int, total: int) -> None:
+            err.print(f"activations of {fam.name} f16: {done}/{total} tokens ({time.perf_counter() - t0:.0f}s)",
+                      markup=False)
 
-        def progress(done: int, total: int) -> None:
-            prog.update(task, completed=done, total=total)
+        rec = calibrate_family(fam, calibration, tokens, chunk, threads or None, line)
+    else:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                      TimeElapsedColumn(), console=err, transient=False) as prog:
+            task = prog.add_task(f"activations of {fam.name} f16", total=None)
 
-        rec = calibrate_family(fam, calibration, tokens, chunk, threads or None, progress)
+            def progress(done: int, total: int) -> None:
+                prog.update(task, completed=done, total=total)
+
+            rec = calibrate_family(fam, calibration, tokens, chunk, threads or None, progress)
     if json_out:
         out_json(rec)
         return

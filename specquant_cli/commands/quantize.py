@@ -44,6 +44,10 @@ def quantize(
     qtypes = parse_types(plain) if plain or not recipes else []  # neither: parse_types names the empty --types
     info = read_info(base)
     out_dir = out or Path("models") / base.stem.removesuffix("-f16").removesuffix(".f16")
+    if recipes and imatrix is not None:  # before any plain type is quantized: a bad one fails first, in one line
+        from specquant_cli.family.imatrix import check_option_imatrix
+
+        check_option_imatrix(imatrix)
     t0 = time.perf_counter()
     with byte_progress() as prog:
         tasks: dict[str, int] = {}

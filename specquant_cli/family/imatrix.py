@@ -14,10 +14,15 @@ the calibration set's sha256 in the file and in the manifest."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import os
+import shutil
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -26,7 +31,8 @@ from typing import Optional
 
 import numpy as np
 
-from specquant_cli.errors import FamilyError, InputError, LlamaError
+from specquant_cli import interrupts
+from specquant_cli.errors import FamilyError, InputError, LlamaError, ResourceError, SpecquantError
 
 IMATRIX_FILE = "imatrix.gguf"
 CALIBRATION_SET = Path(__file__).with_name("calibration_set.jsonl")
@@ -189,20 +195,36 @@ class ActivationStats:
             c = tensors.get(f"{name}.counts")
             if c is None:
                 raise FamilyError(f"{path}: {name} has sums but no counts")
-            st.sums[name] = np.asarray(t.data, np.float64).reshape(int(t.shape[1]) if len(t.shape) > 1 else 1, -1)
-            st.counts[name] = np.asarray(c.data, np.float64).reshape(-1)
+            try:
+                sums = np.asarray(t.data, np.float64).reshape(int(t.shape[1]) if len(t.shape) > 1 else 1, -1)
+                counts = np.asarray(c.data, np.float64).reshape(-1)
+            except (ValueError, TypeError, IndexError) as e:
+                raise FamilyError(f"{path}: {name}: malformed importance data ({e})") from None
+            if counts.size != sums.shape[0]:
+                raise FamilyError(f"{path}: {name}: {counts.size} counts for {sums.shape[0]} matrices")
+            if not (np.isfinite(sums).all() and np.isfinite(counts).all()) or (sums < 0).any() or (counts < 0).any():
+                raise FamilyError(f"{path}: {name}: negative or non-finite importance data")
+            st.sums[name], st.counts[name] = sums, counts
         if not st.sums:
             raise FamilyError(f"{path}: no importance data in it (no *.in_sum2 tensors)")
         for key, attr in ((gguf.Keys.IMatrix.CHUNK_COUNT, "chunks"), (gguf.Keys.IMatrix.CHUNK_SIZE, "chunk_size")):
             f = r.fields.get(key)
             if f is not None:
-                setattr(st, attr, int(f.contents()))
+                try:
+                    setattr(st, attr, int(f.contents()))
+                except (ValueError, TypeError) as e:
+                    raise FamilyError(f"{path}: {key} is not a count ({e})") from None
         return st
 
 
 class Collector:
     """The `cb_eval` callback. Never raises into C: an error is kept, the graph computation is cancelled
-    (returning False when ask=False), and `check()` raises it after llama_decode returns."""
+    (returning False when ask=False), and `check()` raises it after llama_decode returns.
+
+    Ctrl-C and SIGTERM: a Python exception raised while the callback runs (where a signal handler runs
+    during a decode) would be swallowed by ctypes ("Exception ignored on calling ctypes callback"), so
+    during a decode the handlers only take note (`interruptible`); the callback then cancels the graph
+    at its next node, and the interrupt is delivered to the usual handler once llama_decode returns."""
 
     def __init__(self, with_output: bool = True, min_rows: int = MIN_ROWS):
         import llama_cpp
@@ -211,6 +233,7 @@ class Collector:
         self.with_output = with_output
         self.min_rows = min_rows
         self.error: Optional[BaseException] = None
+        self.stop = False  # an interrupt arrived during the decode: cancel the graph
         self._lib = _lib()
         self._buf = bytearray()
         self.callback = llama_cpp.llama_cpp.ggml_backend_sched_eval_callback(self._cb)
@@ -219,6 +242,8 @@ class Collector:
         return name.startswith("blk.") or (self.with_output and name in OUTPUT_NAMES)
 
     def _cb(self, t_ptr: int, ask: bool, _user: int) -> bool:
+        if self.stop:  # want the next node, then refuse it once computed: the scheduler stops there
+            return bool(ask)
         if self.error is not None:
             return False
         try:
@@ -257,6 +282,32 @@ class Collector:
         if self.error is not None:
             err, self.error = self.error, None
             raise err
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """Around one llama_decode: Ctrl-C / SIGTERM set `stop` (the callback cancels the computation) and
+        are delivered to their usual handlers right after the block (KeyboardInterrupt, exit 130)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        got: list[int] = []
+
+        def note(signum, frame) -> None:  # noqa: ARG001
+            got.append(signum)
+            self.stop = True
+
+        # a signal ignored here (SIGINT of a background job) stays ignored
+        old = {s: h for s in interrupts.DEFERRED if (h := signal.getsignal(s)) is not signal.SIG_IGN}
+        for s in old:
+            signal.signal(s, note)
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)
+            if got:
+                signal.raise_signal(got[0])  # the usual handler raises KeyboardInterrupt (or Terminated) here
+                raise KeyboardInterrupt()  # a handler that returned: the cancelled chunk's statistics are partial
 
 
 # -- calibration text -----------------------------------------------------------------------------------
@@ -331,12 +382,15 @@ def collect(model, chunks: list[list[int]], threads: Optional[int] = None, with_
     total, done = sum(len(c) for c in chunks), 0
     try:
         for c in chunks:
+            if interrupts.terminated():  # SIGTERM that an earlier step took note of: stop before the next chunk
+                raise interrupts.Terminated()
             ctx.rewind(0)
-            try:
-                ctx.decode(c, logits="all")
-            except LlamaError:
-                col.check()  # the callback's own error, when it cancelled the computation
-                raise
+            with col.interruptible():  # an interrupt during the decode cancels it and is raised on leaving
+                try:
+                    ctx.decode(c, logits="all")
+                except LlamaError:
+                    col.check()  # the callback's own error, when it cancelled the computation
+                    raise
             col.check()
             done += len(c)
             if progress:
@@ -355,7 +409,8 @@ def calibrate_family(family, calibration: Optional[Path] = None, max_tokens: int
     family folder and record them in the manifest (`imatrix`). Returns that record."""
     from specquant_cli.backend.llama import Model, llama_log_to
     from specquant_cli.family import manifest as fam
-    from specquant_cli.fsutil import create_temp, fsync_file, sha256_file
+    from specquant_cli.family.quantize import start_log
+    from specquant_cli.fsutil import check_folder_writable, create_temp, fsync_file, sha256_file
 
     if max_tokens < MIN_ROWS:
         raise InputError(f"--tokens {max_tokens}: at least {MIN_ROWS}")
@@ -363,7 +418,14 @@ def calibrate_family(family, calibration: Optional[Path] = None, max_tokens: int
         raise InputError(f"--chunk {chunk}: between {MIN_ROWS * 2} and 8192")
     root = Path(family.root)
     base = family.path("f16")
-    with llama_log_to(root / "quantize.log"):
+    # the folder must take the result: checked before minutes of work, not found out at the end
+    check_folder_writable(root, "family folder")
+    need, free = _imatrix_bytes(family) + (4 << 20), shutil.disk_usage(root).free
+    if free < need:
+        raise ResourceError(f"not enough disk in {root}: the importance matrix needs ~{need / 2**20:.0f} MiB, "
+                            f"{free / 2**20:.1f} MiB free")
+    log = start_log(root)  # quantize.log holds this run only (a link there refused)
+    with llama_log_to(log):
         model = Model(base)
         try:
             cal = calibration_tokens(model, calibration)
@@ -376,11 +438,17 @@ def calibrate_family(family, calibration: Optional[Path] = None, max_tokens: int
     meta = {"source": cal.source, "calibration_sha256": cal.sha256, "tokens": stats.tokens,
             "base_sha256": base_sha or ""}
     dst = root / IMATRIX_FILE
-    fd, tmp = create_temp(dst)
-    os.close(fd)
     try:
-        stats.save(tmp, meta)
-        fsync_file(tmp)
+        fd, tmp = create_temp(dst)
+        os.close(fd)
+    except OSError as e:
+        raise _write_error(root, dst, e) from None
+    try:
+        try:
+            stats.save(tmp, meta)
+            fsync_file(tmp)
+        except OSError as e:
+            raise _write_error(root, dst, e) from None
         record = {
             "file": IMATRIX_FILE, "sha256": sha256_file(tmp), "size_bytes": tmp.stat().st_size,
             "entries": len(stats.sums), "tokens": stats.tokens, "chunks": stats.chunks, "chunk_size": stats.chunk_size,
@@ -392,19 +460,60 @@ def calibrate_family(family, calibration: Optional[Path] = None, max_tokens: int
         if manifest is None:
             raise FamilyError(f"{root}: the manifest went away while calibrating ({why or 'missing'})")
         manifest["imatrix"] = record
-        fam.commit(root, [(tmp, dst)], manifest)
+        try:
+            fam.commit(root, [(tmp, dst)], manifest)
+        except OSError as e:
+            raise _write_error(root, dst, e) from None
     finally:
         tmp.unlink(missing_ok=True)
     return record
 
 
+def _imatrix_bytes(family) -> int:
+    """A generous estimate of imatrix.gguf's size: per block, the input widths of its weight matrices
+    (4 bytes a channel, for the sums; the counts are one per matrix)."""
+    hp = family.manifest.get("hparams") if isinstance(family.manifest.get("hparams"), dict) else {}
+    emb, blocks = hp.get("embedding_length"), hp.get("block_count")
+    if not (isinstance(emb, int) and isinstance(blocks, int) and emb > 0 and blocks > 0):
+        return 16 << 20
+    return 4 * (blocks * 16 * emb + 2 * emb)
+
+
+def _write_error(root: Path, dst: Path, e: OSError) -> SpecquantError:
+    """A failed write in the family folder (a full disk, a folder made read-only meanwhile) as one line."""
+    why = e.strerror or str(e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceError(f"cannot write {dst}: {why} (the family folder {root})")
+    return FamilyError(f"cannot write {dst} ({why})")
+
+
+def check_imatrix(path: Path) -> ActivationStats:
+    """Read an importance matrix up front (before any quantizer child starts, which would fail on it with a
+    traceback in quantize.log): its statistics, or a FamilyError saying why it does not parse."""
+    try:
+        return ActivationStats.load(path)
+    except FamilyError:
+        raise
+    except (OSError, ValueError, TypeError, IndexError, KeyError) as e:
+        raise FamilyError(f"{path}: not a readable imatrix GGUF ({type(e).__name__}: {e})") from None
+
+
+def check_option_imatrix(path: Path) -> Path:
+    """An --imatrix file, read and checked; InputError naming the option and the reason otherwise."""
+    if not path.is_file():
+        raise InputError(f"--imatrix {path}: no such file")
+    try:
+        check_imatrix(path)
+    except FamilyError as e:
+        raise InputError(f"--imatrix {path}: {str(e).removeprefix(f'{path}: ')}") from None
+    return path
+
+
 def family_imatrix(family, path: Optional[Path] = None) -> tuple[Path, dict]:
     """The imatrix file to quantize `family` with and its record: `path` when given, else the family's own
-    (which must have been collected from this family's current base)."""
+    (which must have been collected from this family's current base). Either is read and checked here."""
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise InputError(f"--imatrix {path}: no such file")
+        path = check_option_imatrix(Path(path))
         return path, {"file": os.fspath(path), "sha256": None}
     rec = family.manifest.get("imatrix")
     own = Path(family.root) / IMATRIX_FILE
@@ -414,4 +523,8 @@ def family_imatrix(family, path: Optional[Path] = None) -> tuple[Path, dict]:
     base_sha = family.manifest.get("base", {}).get("sha256")
     if base_sha and rec.get("base_sha256") and rec["base_sha256"] != base_sha:
         raise FamilyError(f"{own} was collected from another base; run specquant calibrate-activations again")
+    try:
+        check_imatrix(own)
+    except FamilyError as e:
+        raise FamilyError(f"{e}; run specquant calibrate-activations again") from None
     return own, rec

@@ -57,6 +57,41 @@ DEFAULT_PROVENANCE = "user-supplied base; origin not recorded"
 MAX_THREADS = 1024
 
 
+_LOGS_STARTED: set[str] = set()  # the folders whose quantize.log this process has started afresh already
+
+
+def start_log(folder: Path) -> Path:
+    """`quantize.log` in `folder`, holding this run only: the first time a process writes there, the log is
+    replaced by a new empty file (a log grows by ~100 KB a run; appended to forever, it once filled the last
+    space on a disk). Replaced by rename, never truncated in place, so a hard link to the old log keeps its
+    content. A symbolic link at quantize.log is refused, never followed or replaced."""
+    path = Path(folder) / LOG
+    if path.is_symlink():
+        raise InputError(f"quantize log {path} is a symbolic link; refusing to write through it (remove it)")
+    key = os.path.realpath(folder)
+    if key in _LOGS_STARTED:
+        return path
+    if os.path.lexists(path) and not path.is_dir():  # a folder there: open_append_nofollow names the problem
+        tmp = None
+        try:
+            with deferred():  # no interrupt between the temp file's creation and `tmp` naming it
+                fd, tmp = create_temp(path)
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise InputError(f"quantize log {path}: cannot start it afresh ({e.strerror or e})") from None
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+    _LOGS_STARTED.add(key)
+    return path
+
+
+def open_log(folder: Path) -> int:
+    """An fd appending to this run's `quantize.log` in `folder` (start_log)."""
+    return open_append_nofollow(start_log(folder), "quantize log")
+
+
 def check_output(tmp: Path, label: str, log: Path) -> int:
     """A quantizer's finished temp file: not empty, a readable GGUF, on disk (fsynced). Returns its size."""
     size = tmp.stat().st_size
@@ -333,54 +368,55 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
     if not 0 <= threads <= MAX_THREADS:
         raise InputError(f"--threads {threads}: must be between 0 (all cores) and {MAX_THREADS}")
     out_dir = check_folder_writable(Path(out_dir), out_label, create=True)
-    fam.recover(out_dir)
-    remove_stale(out_dir)
-    stem = family_name or out_dir.resolve().name
-    old, unusable = fam.read_existing(out_dir)
-    base_sha = sha256_file(base)
-    old_base = old.get("base") if old and isinstance(old.get("base"), dict) else {}
-    same_base = old is not None and old_base.get("sha256") == base_sha
-    rebuild_all = old is not None and bool(old_base.get("sha256")) and not same_base
-    if rebuild_all:
-        warn(f"{out_dir} holds a family made from another base; rebuilding every variant")
-    steps = plan_steps(base, info, out_dir, stem, types, force, base_sha, rebuild_all, warn)
+    with fam.family_lock(out_dir):  # one update of a folder at a time; FamilyError while another runs
+        fam.recover(out_dir)
+        remove_stale(out_dir)
+        stem = family_name or out_dir.resolve().name
+        old, unusable = fam.read_existing(out_dir)
+        base_sha = sha256_file(base)
+        old_base = old.get("base") if old and isinstance(old.get("base"), dict) else {}
+        same_base = old is not None and old_base.get("sha256") == base_sha
+        rebuild_all = old is not None and bool(old_base.get("sha256")) and not same_base
+        if rebuild_all:
+            warn(f"{out_dir} holds a family made from another base; rebuilding every variant")
+        steps = plan_steps(base, info, out_dir, stem, types, force, base_sha, rebuild_all, warn)
 
-    builds = [s for s in steps if s.action == "build"]
-    needed = sum(estimate_bytes(info, s.q) for s in builds)
-    needed += sum(info.path.stat().st_size for s in steps if s.action == "place"
-                  and base.stat().st_dev != out_dir.stat().st_dev)
-    check_disk(out_dir, needed)
-    threads = threads or os.cpu_count() or 1
-    staged: list[tuple[Path, Step]] = []
-    try:
-        if builds:
-            log_fd = open_append_nofollow(out_dir / LOG, "quantize log")
-            try:
-                for s in builds:
-                    tmp = quantize_one(base, s.dst, s.q, estimate_bytes(info, s.q), threads, allow_requantize,
-                                       log_fd, progress)
-                    staged.append((tmp, s))
-            finally:
-                os.close(log_fd)
-        for s in steps:
-            if s.action == "place":
-                staged.append((stage_copy(base, s.dst), s))
-        now = datetime.now(UTC)
-        variants = {}
-        for s in steps:
-            tmp = next((t for t, st in staged if st is s), None)
-            f16_of_base = s.q.name == "f16" and s.action != "build" and info.weight_type == "F16"
-            sha = base_sha if f16_of_base else None
-            variants[s.q.role] = variant_record(tmp or s.dst, s.q, info.n_params, s.dst.name,
-                                                now if tmp else None, sha)
-        f16 = next((s for s in steps if s.q.name == "f16" and s.action != "build"), None)
-        base_file = f16.dst.name if f16 else str(base)
-        manifest = build_manifest(old, same_base, stem, info, base_file, base_sha, base.stat().st_size, variants,
-                                  provenance, notes, warn)
-        if unusable:
-            _set_aside(out_dir / fam.MANIFEST, unusable, warn)
-        fam.commit(out_dir, [(t, s.dst) for t, s in staged], manifest)
-    finally:
-        for t, _ in staged:
-            t.unlink(missing_ok=True)
+        builds = [s for s in steps if s.action == "build"]
+        needed = sum(estimate_bytes(info, s.q) for s in builds)
+        needed += sum(info.path.stat().st_size for s in steps if s.action == "place"
+                      and base.stat().st_dev != out_dir.stat().st_dev)
+        check_disk(out_dir, needed)
+        threads = threads or os.cpu_count() or 1
+        staged: list[tuple[Path, Step]] = []
+        try:
+            if builds:
+                log_fd = open_log(out_dir)  # this run's log only (the previous run's is replaced)
+                try:
+                    for s in builds:
+                        tmp = quantize_one(base, s.dst, s.q, estimate_bytes(info, s.q), threads, allow_requantize,
+                                           log_fd, progress)
+                        staged.append((tmp, s))
+                finally:
+                    os.close(log_fd)
+            for s in steps:
+                if s.action == "place":
+                    staged.append((stage_copy(base, s.dst), s))
+            now = datetime.now(UTC)
+            variants = {}
+            for s in steps:
+                tmp = next((t for t, st in staged if st is s), None)
+                f16_of_base = s.q.name == "f16" and s.action != "build" and info.weight_type == "F16"
+                sha = base_sha if f16_of_base else None
+                variants[s.q.role] = variant_record(tmp or s.dst, s.q, info.n_params, s.dst.name,
+                                                    now if tmp else None, sha)
+            f16 = next((s for s in steps if s.q.name == "f16" and s.action != "build"), None)
+            base_file = f16.dst.name if f16 else str(base)
+            manifest = build_manifest(old, same_base, stem, info, base_file, base_sha, base.stat().st_size, variants,
+                                      provenance, notes, warn)
+            if unusable:
+                _set_aside(out_dir / fam.MANIFEST, unusable, warn)
+            fam.commit(out_dir, [(t, s.dst) for t, s in staged], manifest)
+        finally:
+            for t, _ in staged:
+                t.unlink(missing_ok=True)
     return manifest

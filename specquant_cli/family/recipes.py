@@ -71,12 +71,17 @@ def default_role(bpw: float) -> str:
     return f"q{int(bpw)}g{round(bpw * 10):02d}"
 
 
+ROLE_RULE = ("a role name starts with a lower-case letter, then up to 31 lower-case letters, digits or _, and "
+             "is not a quantization type or a built-in role (f16, bf16, q4, q8)")
+
+
 def check_role(role: str) -> str:
     from specquant_cli.family.quantize import QUANT_TYPES
 
+    if not role:
+        raise InputError(f"--role is empty: {ROLE_RULE}")
     if not ROLE_RE.match(role) or role in QUANT_TYPES or role in ("f16", "bf16", "q4", "q8"):
-        raise InputError(f"--role {role!r}: a new role name (lower-case letters, digits, _; not a type name and "
-                         "not f16/q4/q8)")
+        raise InputError(f"--role {role!r}: {ROLE_RULE}")
     return role
 
 
@@ -91,7 +96,7 @@ def split_types(types: str, grade: Optional[float] = None, role: Optional[str] =
     recipes = [replace(RECIPES[n], ladder=lad) if lad and RECIPES[n].grade else RECIPES[n]
                for n in names if n in RECIPES]
     if grade is None:
-        if role:
+        if role is not None:
             raise InputError("--role names the role of a --grade variant; pass --grade BPW too")
         if lad:
             raise InputError("--ladder applies to graded variants (--grade, or q3g/q3g30 in --types)")
@@ -101,7 +106,7 @@ def split_types(types: str, grade: Optional[float] = None, role: Optional[str] =
                          f"{grade:g} (recipes known by name: {', '.join(RECIPES)})")
     if not 1.5 <= grade <= 16:
         raise InputError(f"--grade {grade:g}: bits per weight between 1.5 and 16")
-    r = Recipe(check_role(role or default_role(grade)), base=plain[0], imatrix=True, grade=grade,
+    r = Recipe(check_role(default_role(grade) if role is None else role), base=plain[0], imatrix=True, grade=grade,
                ladder=lad or LADDER, help=f"graded precision, ~{grade:g} bits per weight, imatrix-weighted")
     return [], recipes + [r]
 
@@ -157,7 +162,8 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
     from specquant_cli.family import imatrix as im
     from specquant_cli.family import manifest as fam
     from specquant_cli.family.ggufio import read_info
-    from specquant_cli.fsutil import create_temp, open_append_nofollow, remove_stale, same_file, sha256_file
+    from specquant_cli.family.quantize import open_log
+    from specquant_cli.fsutil import create_temp, remove_stale, same_file, sha256_file
 
     say = say or (lambda _t: None)
     root = Path(out_dir)
@@ -211,7 +217,7 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
         staged = [tmp]
         try:
             spec["dst"] = os.fspath(tmp)
-            log_fd = open_append_nofollow(root / LOG, "quantize log")
+            log_fd = open_log(root)
             try:
                 _run_worker(spec, tmp, expected, recipe.role, log_fd, progress)
             finally:

@@ -5,14 +5,22 @@ folder keyed by a hardware fingerprint and the llama-cpp-python version, read by
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import math
+import os
+import re
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from specquant_cli.fsutil import write_json_atomic
+from specquant_cli.errors import InputError
+from specquant_cli.fsutil import create_temp, write_json_atomic
+from specquant_cli.names import ROLE_RE
 
 CALIBRATION_FILE = "calibration.json"
 SCHEMA = 4  # part of the cache key: an entry measured by an older version is measured again
@@ -225,26 +233,271 @@ def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
     return Calibration(calls, steps_s, prefill, agree, cycles, pairs, measured_at=stamp)
 
 
-def load(root: Path, fp: dict) -> Optional[Calibration]:
-    path = Path(root) / CALIBRATION_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        entry = data.get(key_of(fp)) if isinstance(data, dict) else None
-        return Calibration.from_dict(entry) if entry else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+# -- the stored entries: checked on every read ------------------------------------------------------------
+MAX_FILE_BYTES = 4 << 20  # an entry is a few KB: a calibration file larger than this is not one
+MAX_SECONDS = 600.0  # no single call measured here takes ten minutes: a larger timing is not a measurement
+FIELDS = {  # every key an entry holds, and what its value must be
+    "parent_call_s": "object", "draft_step_s": "object", "prefill_token_s": "object", "agreement": "object",
+    "tokens_per_cycle": "object", "draft_pair_s": "object", "fingerprint": "object", "measured_at": "string",
+    "left_out": "array",
+}
+_TOL = 1e-3  # the stored run lengths are rounded to 4 decimals
 
 
-def save(root: Path, fp: dict, cal: Calibration) -> None:
-    """Add this fingerprint's entry, keeping the others of this schema (a family folder may move between
-    machines); entries an older version measured are dropped (nothing reads them again)."""
-    path = Path(root) / CALIBRATION_FILE
+def _json_type(v) -> str:
+    if isinstance(v, dict):
+        return "object"
+    if isinstance(v, list):
+        return "array"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    return "null" if v is None else type(v).__name__
+
+
+def _number(v, what: str) -> float:
+    """A finite JSON number (not a boolean), else ValueError naming `what`."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{what} is a {_json_type(v)}, not a number")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        data = data if isinstance(data, dict) else {}
+        x = float(v)
+    except OverflowError:
+        raise ValueError(f"{what} is out of range") from None
+    if not math.isfinite(x):
+        raise ValueError(f"{what} is {x}, not a finite number")
+    return x
+
+
+def _seconds(v, what: str) -> float:
+    x = _number(v, what)
+    if not 0 < x <= MAX_SECONDS:
+        raise ValueError(f"{what} {x:g} s is not a timing (must be > 0 and <= {MAX_SECONDS:g} s)")
+    return x
+
+
+def _roles(d: dict, field_name: str) -> None:
+    for role in d:
+        if not ROLE_RE.match(role):
+            raise ValueError(f"{field_name} names the role {role[:40]!r}, which is not a role name")
+
+
+def entry_problem(entry) -> Optional[str]:
+    """Why a stored entry cannot be used (its keys, types and values), or None when it can."""
+    try:
+        _check_entry(entry)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _check_entry(entry) -> None:
+    if not isinstance(entry, dict):
+        raise ValueError(f"a JSON {_json_type(entry)}, not an object")
+    missing = [k for k in FIELDS if k not in entry]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} missing")
+    for k, want in FIELDS.items():
+        if _json_type(entry[k]) != want:
+            raise ValueError(f"{k} is a JSON {_json_type(entry[k])}, not an {want}" if want[0] in "aeiou"
+                             else f"{k} is a JSON {_json_type(entry[k])}, not a {want}")
+    calls = entry["parent_call_s"]
+    sizes = []
+    for k, v in calls.items():
+        if not (k.isascii() and k.isdigit() and 1 <= int(k) <= MAX_BATCH):
+            raise ValueError(f"parent_call_s has the call size {k[:20]!r}, not one of 1..{MAX_BATCH}")
+        sizes.append(int(k))
+        _seconds(v, f"parent_call_s[{k}]")
+    if sorted(sizes) != list(range(1, len(sizes) + 1)):
+        raise ValueError(f"parent_call_s sizes {sorted(sizes)} are not 1..N" if sizes else "parent_call_s is empty")
+    for name in ("draft_step_s", "prefill_token_s", "draft_pair_s"):
+        _roles(entry[name], name)
+        for role, v in entry[name].items():
+            _seconds(v, f"{role} {name}")
+    _roles(entry["agreement"], "agreement")
+    for role, v in entry["agreement"].items():
+        x = _number(v, f"{role} agreement")
+        if not 0 <= x <= 1:
+            raise ValueError(f"{role} agreement {x:g} outside [0, 1]")
+    _roles(entry["tokens_per_cycle"], "tokens_per_cycle")
+    for role, runs in entry["tokens_per_cycle"].items():
+        if not isinstance(runs, list) or len(runs) > MAX_BATCH - 1:
+            raise ValueError(f"{role} tokens_per_cycle is not a list of at most {MAX_BATCH - 1} numbers")
+        prev = 1.0  # E(g) - E(g-1) is the share of positions whose run reaches g: an acceptance, in [0, 1]
+        for g, v in enumerate(runs, 1):
+            x = _number(v, f"{role} tokens_per_cycle[{g}]")
+            if not -_TOL <= x - prev <= 1 + _TOL:
+                raise ValueError(f"{role} tokens_per_cycle[{g}] = {x:g} after {prev:g}: an acceptance of "
+                                 f"{x - prev:g}, outside [0, 1]")
+            prev = x
+    if not all(isinstance(r, str) for r in entry["left_out"]):
+        raise ValueError("left_out holds something other than role names")
+
+
+def _read(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """A calibration file's entries ({} when there is none), or None and why it cannot be used."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return {}, None
+    except OSError as e:
+        return None, f"{path} cannot be read ({e.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return None, f"{path} is not a regular file"
+    if st.st_size > MAX_FILE_BYTES:
+        return None, (f"{path} is {st.st_size / 2**20:.1f} MiB, larger than any calibration file "
+                      f"(limit {MAX_FILE_BYTES >> 20} MiB)")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        return None, f"{path} cannot be read ({e.strerror})"
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return None, f"{path} is not UTF-8 text (invalid byte at offset {e.start})"
+    except json.JSONDecodeError as e:
+        return None, f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    except (ValueError, RecursionError) as e:
+        return None, f"{path} is not valid JSON ({type(e).__name__})"
+    if not isinstance(data, dict):
+        return None, f"{path} holds a JSON {_json_type(data)}, not an object of entries"
+    return data, None
+
+
+def _same_machine_older(data: dict, fp: dict) -> Optional[int]:
+    """The schema of an entry for this machine measured by another version, if there is one."""
+    for k in data:
+        try:
+            other = json.loads(k)
+        except ValueError:
+            continue
+        if isinstance(other, dict) and other.get("schema") != fp.get("schema") and \
+                {**other, "schema": None} == {**fp, "schema": None}:
+            return other.get("schema")
+    return None
+
+
+# -- where the entries live: the family folder, or the user's cache when the family cannot be written -----
+def cache_dir() -> Optional[Path]:
+    """$XDG_CACHE_HOME/specquant/calibrations (default ~/.cache); None when there is no home to put it in."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not base or not os.path.isabs(base):
+        try:
+            base = str(Path.home() / ".cache")
+        except (RuntimeError, KeyError):
+            return None
+    return Path(base) / "specquant" / "calibrations"
+
+
+def _base_sha(root: Path) -> str:
+    try:
+        m = json.loads((Path(root) / "manifest.json").read_text(encoding="utf-8"))
+        sha = m.get("base", {}).get("sha256") if isinstance(m, dict) and isinstance(m.get("base"), dict) else None
+        return sha if isinstance(sha, str) else ""
     except (OSError, ValueError):
-        data = {}
-    data = {k: v for k, v in data.items() if _schema_of(k) == SCHEMA}
+        return ""
+
+
+def cache_file(root: Path) -> Optional[Path]:
+    """The user-cache file for a family that cannot keep its calibration itself: keyed by the folder's real
+    path and the sha256 of the family's base (a different family later at the same path gets its own)."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    real = os.path.realpath(root)
+    key = hashlib.sha256(f"{real}\0{_base_sha(root)}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(real))[:64].lstrip(".") or "family"
+    return folder / f"{name}-{key}.json"
+
+
+def _places(root: Path) -> list[Path]:
+    cached = cache_file(root)
+    return [Path(root) / CALIBRATION_FILE] + ([cached] if cached else [])
+
+
+def cannot_write(folder: Path, create: bool = False) -> Optional[str]:
+    """Why no new file can be made in `folder` (a probe file is created and removed), or None when one can.
+    The single place writability is decided (the tests make a folder read-only here)."""
+    try:
+        if create:
+            os.makedirs(folder, exist_ok=True)
+        fd, probe = create_temp(Path(folder) / "write-probe")
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    try:
+        probe.unlink()
+    except OSError:
+        pass
+    return None
+
+
+def save_target(root: Path) -> Path:
+    """The file a new measurement will be saved in: the family's own, else the user-cache one; an InputError
+    (before anything is measured) when neither can be written."""
+    why = cannot_write(Path(root))
+    if why is None:
+        return Path(root) / CALIBRATION_FILE
+    cached = cache_file(root)
+    if cached is None:
+        raise InputError(f"cannot save a calibration: the family folder {root} is not writable ({why}) and there "
+                         "is no user cache folder (set XDG_CACHE_HOME)")
+    why_cache = cannot_write(cached.parent, create=True)
+    if why_cache is not None:
+        raise InputError(f"cannot save a calibration: the family folder {root} is not writable ({why}), nor is "
+                         f"the cache folder {cached.parent} ({why_cache})")
+    return cached
+
+
+def load_checked(root: Path, fp: dict) -> tuple[Optional[Calibration], Optional[str]]:
+    """This machine's entry, checked (keys, types, finite positive timings, agreements and acceptances in
+    [0, 1]): from the family folder, else from the user cache. Returns (entry, None), or (None, why the
+    stored entry was not used) — why is None when there simply is none."""
+    key, why = key_of(fp), None
+    for path in _places(root):
+        data, problem = _read(path)
+        if data is None:
+            why = why or problem
+            continue
+        if key not in data:
+            older = _same_machine_older(data, fp)
+            if older is not None and why is None:
+                why = (f"the stored entry for this machine ({path}) was measured by another version "
+                       f"(calibration schema {older!r}, this version's is {SCHEMA})")
+            continue
+        entry = data[key]
+        problem = entry_problem(entry)
+        if problem:
+            why = why or f"the stored entry for this machine ({path}) is invalid ({problem})"
+            continue
+        return Calibration.from_dict(entry), None
+    return None, why
+
+
+def load(root: Path, fp: dict) -> Optional[Calibration]:
+    """This machine's valid entry, or None (an invalid one is never returned: see load_checked)."""
+    return load_checked(root, fp)[0]
+
+
+def save(root: Path, fp: dict, cal: Calibration) -> tuple[Path, Optional[str]]:
+    """Add this fingerprint's entry, keeping the other valid entries of this schema (a family folder may move
+    between machines); entries an older version measured, and broken ones, are dropped. Written in the
+    family folder, or in the user cache when the family folder cannot be written. Returns the file written
+    and, when that is the cache, why the family folder could not take it. OSError when neither could."""
     cal.fingerprint = fp
-    data[key_of(fp)] = cal.to_dict()
-    write_json_atomic(path, data)
+    last: Optional[OSError] = None
+    for i, path in enumerate(_places(root)):
+        try:
+            if i:
+                os.makedirs(path.parent, exist_ok=True)
+            data, _ = _read(path)
+            data = {k: v for k, v in (data or {}).items() if _schema_of(k) == SCHEMA and entry_problem(v) is None}
+            data[key_of(fp)] = cal.to_dict()
+            write_json_atomic(path, data)
+            return path, (None if last is None else (last.strerror or str(last)))
+        except OSError as e:
+            last = last or e
+    raise last if last is not None else OSError(errno.EROFS, "nowhere to save the calibration")
