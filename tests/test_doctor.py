@@ -132,3 +132,20 @@ def test_require_fit_places_parent_and_draft_together(family):
     assert pl.mode == "cpu" and pl.gpu_layers["f16"] == 0
     with pytest.raises(ResourceError, match="GiB available"):
         require_fit(facts(ram=GiB // 4), family, ["f16", "q4"], 4096)
+
+
+def test_a_role_named_before_f16_is_never_placed_as_the_parent(family, tmp_path):
+    """Roles come to placement in any order (a sorted list put `d35` first): the F16 is the parent all the
+    same, so on a GPU that holds one model it is the F16 that gets it."""
+    from specquant_cli.family.manifest import Family
+    from specquant_cli.routing.policies import all_roles
+    from specquant_cli.system.placement import require_fit
+
+    m = json.loads((family.root / "manifest.json").read_text())
+    m["variants"]["d35"] = dict(m["variants"]["q4"])
+    fam = Family(family.root, m)  # the same files, one more role record (nothing written)
+    parent_only = placement.need(fam, "f16", 4096).total + placement.VRAM_RESERVE + GiB // 16  # not both
+    for roles in (["d35", "f16"], ["f16", "d35"]):
+        pl = require_fit(facts(free_vram=parent_only), fam, roles, 4096)
+        assert pl.mode == "hybrid" and pl.gpu_layers == {"f16": -1, "d35": 0}, (roles, pl)
+    assert all_roles(["parent", "spec-q4", "spec-q8"])[0] == "f16"

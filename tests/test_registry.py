@@ -18,6 +18,8 @@ class RepeatDrafter(DrafterBase):
 
     name = "test-repeat"
 
+    source = "suffix"
+
     def __init__(self):
         self.proposals = 0
 
@@ -80,9 +82,11 @@ def test_spec_of_any_draft_role_is_a_policy():
     from specquant_cli.errors import InputError
     from specquant_cli.routing.policies import check_policy, plan_for, policy_spec
 
+    before = set(DRAFTERS)
     spec = policy_spec("spec-zz9")
     assert spec.drafter == "zz9" and not spec.lossy and "spec-zz9" not in POLICIES  # the table stays as it is
     assert plan_for("spec-zz9", "low").roles == ["f16", "zz9"]
     for bad in ("spec-ngram", "spec-suffix", "spec-f16", "spec-Bad!", "fastest", "spec-"):
         with pytest.raises(InputError, match="unknown policy"):
             check_policy(bad)
+    assert set(DRAFTERS) == before  # looking policies up registers nothing (no suffix+ngram, no zz9)

@@ -135,7 +135,7 @@ class Plan:
     @property
     def roles(self) -> list[str]:
         """Family roles this plan loads, target first."""
-        extra = drafter_spec(self.draft).roles if self.draft else ()
+        extra = _drafter_roles(self.draft) if self.draft else ()
         return [self.target] + [r for r in extra if r != self.target]
 
     def describe(self) -> str:
@@ -160,20 +160,29 @@ def policy_help() -> str:
 
 def policy_spec(name: str) -> PolicySpec:
     """The registered policy `name`, or `spec-<role>` for any other draft role (a variant made by
-    `quantize --grade BPW --role NAME`): that role drafts, F16 verifies. Whether the family has the role is
+    `quantize --grade BPW --role NAME`): that role drafts, F16 verifies. A pure lookup: nothing is registered
+    here (a family's role drafters are registered when it is opened), and whether the family has the role is
     checked when its models load."""
     spec = POLICIES.get(name)
     if spec is not None:
         return spec
     role = name.removeprefix("spec-")
     if role != name and ROLE_RE.match(role) and role != PARENT_ROLE:
-        from specquant_cli.decoding.registry import register_role_drafters
+        from specquant_cli.decoding.registry import DRAFTERS
 
-        register_role_drafters(role)
-        if drafter_spec(role).roles == (role,):  # not a name taken by another drafter (ngram, suffix)
+        taken = DRAFTERS.get(role)
+        if taken is None or taken.roles == (role,):  # not a name taken by another drafter (ngram, suffix)
             return PolicySpec(name, f"`{role}` drafts, F16 verifies", drafter=role, in_bench=False)
     raise InputError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}, or spec-<role> for "
                      "another draft role of the family")
+
+
+def _drafter_roles(name: str) -> tuple[str, ...]:
+    """The roles drafter `name` loads; a name not registered yet is a role drafting as itself (spec-<role>)."""
+    from specquant_cli.decoding.registry import DRAFTERS
+
+    spec = DRAFTERS.get(name)
+    return spec.roles if spec is not None else (name,)
 
 
 def check_policy(name: str) -> str:
@@ -190,9 +199,10 @@ def plan_for(policy: str, tier: Optional[Tier], context: Optional[PlanContext] =
 
 
 def all_roles(policies: list[str]) -> list[str]:
-    """Every role any of `policies` may load, over every tier."""
+    """Every role any of `policies` may load, over every tier: the parent first, then the drafts by name."""
     out = {r for p in policies for t in TIERS for r in plan_for(p, t).roles}
-    return sorted(out | {r for p in policies for r in policy_spec(p).roles} | {PARENT_ROLE})
+    out |= {r for p in policies for r in policy_spec(p).roles}
+    return [PARENT_ROLE, *sorted(out - {PARENT_ROLE})]
 
 
 def markdown_table() -> str:

@@ -8,6 +8,7 @@ from typing import Optional
 
 from specquant_cli.errors import ResourceError
 from specquant_cli.family.ggufio import kv_cache_bytes
+from specquant_cli.names import PARENT_ROLE
 from specquant_cli.system.hardware import Facts
 
 VRAM_RESERVE = 512 << 20  # CUDA context, scratch buffers
@@ -97,8 +98,10 @@ def family_placements(facts: Facts, fam, n_ctx: int) -> dict:
 
 
 def require_fit(facts: Facts, fam, roles: list[str], n_ctx: int) -> Placement:
-    """Refuse, before loading anything, a set of models that does not fit where it would run."""
-    parent, *rest = roles
+    """Refuse, before loading anything, a set of models that does not fit where it would run. The parent role is
+    the parent wherever it stands in `roles` (the first other role is the draft placed beside it)."""
+    parent = PARENT_ROLE if PARENT_ROLE in roles else roles[0]
+    rest = [r for r in roles if r != parent]
     pl = place(facts, need(fam, parent, n_ctx), need(fam, rest[0], n_ctx) if rest else None)
     extra = sum(need(fam, r, n_ctx).total for r in rest[1:])  # further roles run on the CPU
     ram = pl.ram_bytes + extra
