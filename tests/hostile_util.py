@@ -7,8 +7,6 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
-
 from conftest import run_cli
 
 
@@ -16,44 +14,10 @@ def tiny_llama(path: Path, seed: int = 0, dim: int = 64, ff: int = 128, layers: 
                token_prefix: str = "t", arch: str = "llama", layer_gain: float = 0.0) -> Path:
     """A small F16 llama GGUF that llama.cpp's quantizer accepts (it cannot chat: no real tokenizer).
     layer_gain > 0 scales layer i's matrices by (1 + layer_gain * i), so layers differ in magnitude."""
-    import gguf
+    from specquant_cli.family.tiny import write_tiny_llama
 
-    rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny")
-    w.add_context_length(256)
-    w.add_embedding_length(dim)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(4)
-    w.add_head_count_kv(4)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(1)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<{token_prefix}{i}>" for i in range(vocab)])
-    w.add_token_types([1] * vocab)
-    w.add_token_merges([])
-
-    def f16(*shape):
-        return rng.standard_normal(shape).astype(np.float16)
-
-    w.add_tensor("token_embd.weight", f16(vocab, dim))
-    for i in range(layers):
-        p, k = f"blk.{i}.", 1.0 + layer_gain * i
-        w.add_tensor(p + "attn_norm.weight", np.ones(dim, dtype=np.float32))
-        for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            w.add_tensor(p + n + ".weight", f16(dim, dim) * k)
-        w.add_tensor(p + "ffn_norm.weight", np.ones(dim, dtype=np.float32))
-        w.add_tensor(p + "ffn_gate.weight", f16(ff, dim) * k)
-        w.add_tensor(p + "ffn_up.weight", f16(ff, dim) * k)
-        w.add_tensor(p + "ffn_down.weight", f16(dim, ff) * k)
-    w.add_tensor("output_norm.weight", np.ones(dim, dtype=np.float32))
-    w.add_tensor("output.weight", f16(vocab, dim))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return Path(path)
+    return write_tiny_llama(path, seed=seed, dim=dim, ff=ff, layers=layers, vocab=vocab, token_prefix=token_prefix,
+                            arch=arch, layer_gain=layer_gain)
 
 
 def snapshot(root: Path) -> dict[str, tuple]:

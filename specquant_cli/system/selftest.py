@@ -234,46 +234,6 @@ def ensure(status: Optional[Callable[[str], None]] = None) -> None:
 
 
 # -- the child -------------------------------------------------------------------------------------------------
-def _tiny_model(path: Path, dim: int = 256, ff: int = 512, vocab: int = 512) -> None:
-    """A one-layer F16 llama with random weights; rows of 256 so every type (Q4_K included) applies."""
-    import gguf
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("specquant-selftest")
-    w.add_context_length(256)
-    w.add_embedding_length(dim)
-    w.add_block_count(1)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(4)
-    w.add_head_count_kv(4)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(1)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<t{i}>" for i in range(vocab)])
-    w.add_token_types([1] * vocab)
-    w.add_token_merges(["<t1> <t2>"])  # llama.cpp's BPE vocabulary needs a merges list, even a short one
-
-    def f16(*shape):
-        return (rng.standard_normal(shape) * 0.05).astype(np.float16)
-
-    w.add_tensor("token_embd.weight", f16(vocab, dim))
-    w.add_tensor("blk.0.attn_norm.weight", np.ones(dim, dtype=np.float32))
-    for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
-        w.add_tensor(f"blk.0.{n}.weight", f16(dim, dim))
-    w.add_tensor("blk.0.ffn_norm.weight", np.ones(dim, dtype=np.float32))
-    w.add_tensor("blk.0.ffn_gate.weight", f16(ff, dim))
-    w.add_tensor("blk.0.ffn_up.weight", f16(ff, dim))
-    w.add_tensor("blk.0.ffn_down.weight", f16(dim, ff))
-    w.add_tensor("output_norm.weight", np.ones(dim, dtype=np.float32))
-    w.add_tensor("output.weight", f16(vocab, dim))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def _check_type(t: str, base: Path, work: Path) -> Optional[str]:
     """Quantize the tiny model to t and decode a 16-token batch then 4 single steps. None when sound."""
     import llama_cpp
@@ -310,6 +270,7 @@ def _child(argv: list[str]) -> int:
     global _in_child
     _in_child = True
     from specquant_cli.backend.llama import llama_log_to
+    from specquant_cli.family.tiny import write_tiny_llama
 
     if len(argv) < 2 or not Path(argv[0]).is_dir():
         print("usage: python -m specquant_cli.system.selftest DIR TYPE [TYPE ...]", file=sys.stderr)
@@ -320,8 +281,7 @@ def _child(argv: list[str]) -> int:
         print(f"unknown type {unknown[0]} (expected one of {', '.join(TYPES)})", file=sys.stderr)
         return 2
     with llama_log_to(None):
-        base = work / "base-f16.gguf"
-        _tiny_model(base)
+        base = write_tiny_llama(work / "base-f16.gguf", dim=256, ff=512, vocab=512, scale=0.05, merges=("<t1> <t2>",))
         for t in types:
             why = _check_type(t, base, work)
             if why:
