@@ -62,6 +62,8 @@ class ScriptedDrafter(DrafterBase):
 
     name = "scripted"
 
+    source = "draft"
+
     def __init__(self, proposals: list[list[int]]):
         self.proposals = list(proposals)
         self.calls = 0

@@ -251,7 +251,8 @@ def test_wrong_or_missing_key_is_401_and_the_key_is_never_echoed(server):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer " + KEY[:-1] + "X"})
     assert r.status_code == 401 and KEY[:-1] not in r.text
-    assert httpx.get(server.url + "/health").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # as the chat page (GET /): no key needed
+    assert httpx.get(server.url + "/").status_code == 200
     assert KEY not in server.log()
 
 

@@ -21,6 +21,7 @@ IMPORT_MIN_TOKENS = 8
 
 class DrafterBase:
     name = "drafter"
+    source = "draft"  # names.Source of the tokens it proposes: "draft" (a model) or "suffix" (draft-free)
 
     @property
     def n_ctx(self) -> Optional[int]:
@@ -38,6 +39,7 @@ class NGramDrafter(DrafterBase):
     in prompt + output so far, and propose what followed it. Costs no model call."""
 
     name = "ngram"
+    source = "suffix"
 
     def __init__(self, ngram_sizes: Sequence[int] = (4, 3, 2), min_tokens: int = 1):
         self.sizes = sorted(set(int(n) for n in ngram_sizes), reverse=True)
@@ -186,6 +188,11 @@ class FallbackDrafter(DrafterBase):
             self.then.prepare(seq)
             self._active = True
         return self.then.propose(seq, g, sp, rng)
+
+    @property
+    def source(self) -> str:
+        """The source of the last proposal: the draft-free drafter's or the model's."""
+        return (self.first if self._last == "first" else self.then).source
 
     def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
         if self._last == "first":

@@ -16,6 +16,7 @@ from specquant_cli.decoding.protocols import CycleOutcome, Draft, Drafter, Gamma
 from specquant_cli.decoding.sampling import GREEDY, SamplingParams
 from specquant_cli.decoding.verify import LinearVerifier
 from specquant_cli.errors import InputError
+from specquant_cli.names import Source
 
 DEFAULT_GAMMA = 4
 
@@ -25,6 +26,7 @@ class TokenEvent:
     token: int
     from_draft: bool  # proposed by the drafter and accepted by the parent
     eog: bool = False
+    source: Source = "parent"  # "draft" / "suffix" (which kind of drafter proposed it) when from_draft
 
 
 @dataclass
@@ -85,7 +87,7 @@ class Engine:
         while st.new_tokens < max_tokens:
             room = max_tokens - st.new_tokens - 1  # the cycle's own token always fits
             g = min(self.gamma.draft_length(), room) if self.drafter else 0
-            draft, draft_s = self._draft(seq, g)
+            draft, draft_s, source = self._draft(seq, g)
             outcome = self._verify(seq, draft, draft_s)
             self.gamma.update(outcome)
             if self.drafter is not None:
@@ -94,7 +96,8 @@ class Engine:
                 seq.append(tok)
                 st.new_tokens += 1
                 eog = tok in self.eog_ids
-                yield TokenEvent(tok, from_draft=i < outcome.accepted, eog=eog)
+                drafted = i < outcome.accepted
+                yield TokenEvent(tok, from_draft=drafted, eog=eog, source=source if drafted else "parent")
                 if eog:
                     return
 
@@ -109,15 +112,16 @@ class Engine:
                 st.draft_prefill_s, st.kv_import_s, st.kv_import = rep.prefill_s, rep.import_s, rep.imported
         st.prefill_s = time.perf_counter() - t0
 
-    def _draft(self, seq: list[int], g: int) -> tuple[Draft, float]:
+    def _draft(self, seq: list[int], g: int) -> tuple[Draft, float, Source]:
+        """(draft, seconds, source): the source is asked right away, as a mixed drafter's changes per draft."""
         if g <= 0:
-            return Draft(), 0.0
+            return Draft(), 0.0, "parent"
         t0 = time.perf_counter()
         draft = self.drafter.propose(seq, g, self.sp, self.rng)
         dt = time.perf_counter() - t0
         self.stats.draft_s += dt
         self.stats.drafted += len(draft.tokens)
-        return draft, dt
+        return draft, dt, self.drafter.source
 
     def _verify(self, seq: list[int], draft: Draft, draft_s: float) -> CycleOutcome:
         t0 = time.perf_counter()

@@ -81,9 +81,12 @@ class Drafter(Protocol):
 
     `prepare` is called once per generation before the first cycle (a model drafter catches up on the
     prompt there); `n_ctx` is the drafter's own context limit (None: unlimited); `feedback` hears how
-    each draft fared (as transformers' `update_candidate_strategy`)."""
+    each draft fared (as transformers' `update_candidate_strategy`); `source` says where its last proposal
+    came from (names.Source: "draft" for a model, "suffix" for a draft-free drafter), read right after
+    `propose`."""
 
     name: str
+    source: str
 
     @property
     def n_ctx(self) -> Optional[int]: ...

@@ -1,19 +1,26 @@
-"""Token events -> response records with text and cumulative stats. The last record is the summary."""
+"""Token events -> response records with text and cumulative stats. The last record is the summary.
+
+Each record also says where its text came from: `spans`, (text, source) pieces that concatenate to `text`, one
+per token (cut where a stop string or a held-back tail splits a token's text). The source is the token's
+(names.Source). Limit: the bytes of a character split across tokens are credited to the token that completes it."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from specquant_cli.backend.llama import Detokenizer
 from specquant_cli.decoding.engine import Engine
-from specquant_cli.names import FinishReason
+from specquant_cli.names import FinishReason, Source
 
 STAT_FIELDS = ("prompt_tokens", "new_tokens", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
                "parent_calls", "prefill_s", "parent_prefill_s", "draft_prefill_s", "kv_import_s", "kv_import",
                "draft_s", "verify_s", "total_s", "tokens_per_s", "decode_tokens_per_s", "finish_reason")
+
+
+Span = tuple[str, Source]  # (text, where it came from)
 
 
 @dataclass
@@ -39,13 +46,15 @@ class Response:
     tokens_per_s: float  # new tokens / total_s (prefill included)
     decode_tokens_per_s: float  # new tokens / the time after the parent's own prefill
     finish_reason: Optional[FinishReason] = None  # on the last record
+    spans: list[Span] = field(default_factory=list)  # `text` piece by piece, with each piece's source
 
     def stats(self) -> dict:
         d = asdict(self)
         return {k: d[k] for k in STAT_FIELDS}
 
 
-def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finish=None) -> Response:
+def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finish=None,
+            spans: Sequence[Span] = ()) -> Response:
     s = engine.stats
     total = time.perf_counter() - t0
     decode = total - s.parent_prefill_s
@@ -56,7 +65,22 @@ def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finis
         parent_calls=s.parent_calls, prefill_s=s.prefill_s, parent_prefill_s=s.parent_prefill_s,
         draft_prefill_s=s.draft_prefill_s, kv_import_s=s.kv_import_s, kv_import=s.kv_import, draft_s=s.draft_s,
         verify_s=s.verify_s, total_s=total, tokens_per_s=s.new_tokens / total if total > 0 else 0.0,
-        decode_tokens_per_s=s.new_tokens / decode if decode > 0 else 0.0, finish_reason=finish)
+        decode_tokens_per_s=s.new_tokens / decode if decode > 0 else 0.0, finish_reason=finish, spans=list(spans))
+
+
+def _split(spans: Sequence[Span], n: int) -> tuple[list[Span], list[Span]]:
+    """The first `n` characters of `spans`, and the rest (the span where n falls is cut in two)."""
+    head, tail = [], []
+    for text, src in spans:
+        if n >= len(text):
+            head.append((text, src))
+        elif n > 0:
+            head.append((text[:n], src))
+            tail.append((text[n:], src))
+        else:
+            tail.append((text, src))
+        n = max(0, n - len(text))
+    return head, tail
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -76,7 +100,7 @@ def stream_generate(engine: Engine, prompt: Sequence[int], max_tokens: int,
     t0 = time.perf_counter()
     detok = Detokenizer(engine.parent.model)
     stops = [s for s in stop if s]
-    pending = ""
+    pending, spans, source = "", [], "parent"  # text not yet emitted, its spans, the last token's source
     finish: FinishReason = "length"
     events = engine.generate(prompt, max_tokens)
     try:
@@ -84,21 +108,25 @@ def stream_generate(engine: Engine, prompt: Sequence[int], max_tokens: int,
             if ev.eog:
                 finish = "stop"
                 break
-            pending += detok.add(ev.token)
+            piece, source = detok.add(ev.token), ev.source
+            pending += piece
+            spans += [(piece, source)] if piece else []
             hit = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
             if hit >= 0:
-                yield _record(engine, t0, pending[:hit], ev.token, ev.from_draft)
-                pending, finish = "", "stop"
+                yield _record(engine, t0, pending[:hit], ev.token, ev.from_draft, spans=_split(spans, hit)[0])
+                pending, spans, finish = "", [], "stop"
                 break
-            keep = _held_back(pending, stops)
-            emit, pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
-            yield _record(engine, t0, emit, ev.token, ev.from_draft)
-        pending += detok.flush() if finish != "stop" else ""
+            n = len(pending) - _held_back(pending, stops)
+            (emit, pending), (head, spans) = (pending[:n], pending[n:]), _split(spans, n)
+            yield _record(engine, t0, emit, ev.token, ev.from_draft, spans=head)
+        tail = detok.flush() if finish != "stop" else ""
+        pending += tail
+        spans += [(tail, source)] if tail else []
     except KeyboardInterrupt:
         finish = "interrupted"
     finally:
         events.close()
-    yield _record(engine, t0, pending, None, False, finish)
+    yield _record(engine, t0, pending, None, False, finish, spans)
 
 
 def generate_text(engine: Engine, prompt: Sequence[int], max_tokens: int, stop: Sequence[str] = ()):

@@ -36,6 +36,7 @@ def _bucket(match_len: int) -> int:
 
 class SuffixDrafter(DrafterBase):
     name = "suffix"
+    source = "suffix"
 
     def __init__(self, max_draft: int = 32, verify_cost: Optional[Callable[[int], float]] = None,
                  min_prob: float = 0.3):

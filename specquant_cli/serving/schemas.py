@@ -297,23 +297,36 @@ def usage(last) -> dict:
             "total_tokens": last.prompt_tokens + last.new_tokens}
 
 
+def plan_info(answer) -> dict:
+    """How an answer was routed and planned (`why`: a planner's reason, empty for a fixed policy)."""
+    return {"route": {"tier": answer.route.tier, "score": answer.route.score}, "policy": answer.plan.policy,
+            "plan": answer.plan.describe(), "why": answer.plan.why, "lossy": answer.plan.lossy}
+
+
+def running_info(rec) -> dict:
+    """The figures so far, as of record `rec` (cumulative)."""
+    return {
+        "tokens": rec.new_tokens,
+        "acceptance_rate": round(rec.acceptance_rate, 4),
+        "mean_accepted_length": round(rec.mean_accepted_length, 4),  # new tokens per parent call
+        "tokens_per_s": round(rec.tokens_per_s, 2),  # prefill included
+        "decode_tokens_per_s": round(rec.decode_tokens_per_s, 2),  # after the parent's prefill
+        "drafted": rec.drafted,
+        "accepted": rec.accepted,
+        "parent_calls": rec.parent_calls,
+    }
+
+
+def spans_info(rec) -> list[dict]:
+    """Where a record's text came from, piece by piece: source "draft" (a model draft the parent accepted),
+    "suffix" (a suffix / n-gram draft it accepted) or "parent" (its own token: a correction or the bonus)."""
+    return [{"text": text, "source": source} for text, source in rec.spans]
+
+
 def specquant_info(answer, last) -> dict:
     """The `specquant` object of a response: how it was routed and planned, and how the speculation went."""
-    s = last.stats()
-    return {
-        "route": {"tier": answer.route.tier, "score": answer.route.score},
-        "policy": answer.plan.policy,
-        "plan": answer.plan.describe(),
-        "lossy": answer.plan.lossy,
-        "acceptance_rate": round(s["acceptance_rate"], 4),
-        "mean_accepted_length": round(s["mean_accepted_length"], 4),  # new tokens per parent call
-        "tokens_per_s": round(s["tokens_per_s"], 2),
-        "drafted": s["drafted"],
-        "accepted": s["accepted"],
-        "parent_calls": s["parent_calls"],
-        "prefill_s": round(s["prefill_s"], 4),
-        "total_s": round(s["total_s"], 4),
-    }
+    return {**plan_info(answer), **running_info(last), "prefill_s": round(last.prefill_s, 4),
+            "total_s": round(last.total_s, 4)}
 
 
 def chat_response(rid: str, created: int, model: str, text: str, answer, last) -> dict:
@@ -338,6 +351,7 @@ class ChunkMaker:
         self.created = now()
         self.model = model
         self.include_usage = include_usage
+        self._planned = False  # a chunk carried the plan
 
     def _chunk(self, choices: list, **extra) -> dict:
         d = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -355,12 +369,20 @@ class ChunkMaker:
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
-    def first(self) -> Optional[dict]:
-        """The role chunk that opens a chat stream (completions have none)."""
-        return self._chunk([self._choice("", None, role=True)]) if self.chat else None
+    def first(self, answer) -> Optional[dict]:
+        """The role chunk that opens a chat stream, with the route and plan (completions have none)."""
+        if not self.chat:
+            return None
+        self._planned = True
+        return self._chunk([self._choice("", None, role=True)], specquant=plan_info(answer))
 
-    def text(self, text: str) -> dict:
-        return self._chunk([self._choice(text, None)])
+    def text(self, answer, rec) -> dict:
+        """A piece of text, with its spans and the running figures (and the plan, if no chunk had it yet)."""
+        info = {"spans": spans_info(rec), **running_info(rec)}
+        if not self._planned:
+            self._planned = True
+            info.update(plan_info(answer))
+        return self._chunk([self._choice(rec.text, None)], specquant=info)
 
     def finish(self, answer, last) -> dict:
         return self._chunk([self._choice(None if self.chat else "", finish_reason(last))],
