@@ -119,9 +119,10 @@ def _register() -> None:
         quantize,
         route,
         serve,
+        worker,
     )
 
-    for mod in (pull, quantize, calibrate_activations, doctor, route, calibrate, chat, bench, serve):
+    for mod in (pull, quantize, calibrate_activations, doctor, route, calibrate, chat, bench, serve, worker):
         mod.register(app)
 
 

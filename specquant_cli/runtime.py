@@ -20,8 +20,11 @@ ADAPTIVE_G_MAX = 8  # the adaptive controller's longest model draft
 
 class Runtime:
     def __init__(self, family: Family, n_ctx: int = 4096, gamma: int = DEFAULT_GAMMA, threads: Optional[int] = None,
-                 p_min: Optional[float] = None, facts=None, kv_import: bool = True):
+                 p_min: Optional[float] = None, facts=None, kv_import: bool = True, rpc: Optional[list[str]] = None):
+        from specquant_cli.system import rpc as rpc_mod
+
         self.family = family
+        self.rpc = list(rpc) if rpc is not None else rpc_mod.configured()  # the parent's RPC workers, if any
         self.n_ctx = n_ctx
         self.gamma = gamma
         self.threads = threads
@@ -60,17 +63,48 @@ class Runtime:
 
     def ensure(self, roles: list[str]) -> None:
         """Load what `roles` need, refusing first (with numbers) a set that does not fit."""
-        from specquant_cli.system.placement import require_fit
-
         missing = [r for r in roles if r not in self._ctx]
         if not missing:
             return
-        placement = require_fit(self.facts, self.family, self.loaded() + missing, self.n_ctx)
+        placement = self._require_fit(self.loaded() + missing)
         for role in missing:
-            model = Model(self.family.path(role), n_gpu_layers=placement.gpu_layers.get(role, 0))
+            if self.rpc and role == PARENT_ROLE:
+                model = self._remote_parent()
+            else:
+                model = Model(self.family.path(role), n_gpu_layers=placement.gpu_layers.get(role, 0))
             if self._ctx:  # every model of a session must speak the same vocabulary
                 check_same_vocab(next(iter(self._ctx.values())).model, model)
             self._ctx[role] = Context(model, self.n_ctx, n_threads=self.threads)
+            if self.rpc and role == PARENT_ROLE:
+                from specquant_cli.system import rpc
+
+                rpc.arm_sockets(self.rpc)  # ggml's sockets to the workers get deadlines
+
+    def _require_fit(self, roles: list[str]):
+        """The placement check; with RPC workers the parent is checked against their free memory (probed now:
+        a worker that is down is one clear error here, never ggml's abort) and the rest against this machine."""
+        from specquant_cli.system.placement import Placement, need, require_fit
+
+        if self.rpc and PARENT_ROLE in roles:
+            from specquant_cli.system import rpc
+
+            if PARENT_ROLE not in self._ctx:
+                self._workers = rpc.probe_all(self.rpc)
+                rpc.require_remote_fit(self._workers, need(self.family, PARENT_ROLE, self.n_ctx).total,
+                                       f"the parent ({PARENT_ROLE})")
+            roles = [r for r in roles if r != PARENT_ROLE]
+            if not roles:
+                return Placement("rpc")
+        return require_fit(self.facts, self.family, roles, self.n_ctx)
+
+    def _remote_parent(self) -> Model:
+        """The parent with every layer on the RPC workers, split by their free memory (probed by _require_fit)."""
+        from specquant_cli.system import rpc
+
+        rpc.install_abort_guard(self.rpc)
+        workers = self.__dict__.get("_workers") or rpc.probe_all(self.rpc)
+        return Model(self.family.path(PARENT_ROLE), n_gpu_layers=-1, devices=rpc.devices(self.rpc),
+                     tensor_split=rpc.split_for(workers))
 
     def context(self, role: str) -> Context:
         self.ensure([role])
@@ -103,9 +137,10 @@ class Runtime:
         from specquant_cli.system import calibration as cal
 
         if force:
-            self._calibration = self._measure(cal, cal.fingerprint(self.facts, self.threads), require_save)
+            fp = cal.fingerprint(self.facts, self.threads, self.rpc)
+            self._calibration = self._measure(cal, fp, require_save)
         if self._calibration is None or (measure and self._uncalibrated()):
-            fp = cal.fingerprint(self.facts, self.threads)
+            fp = cal.fingerprint(self.facts, self.threads, self.rpc)
             self._calibration, why = cal.load_checked(self.family.root, fp)
             if measure and (self._calibration is None or self._uncalibrated()):
                 if why:
@@ -132,10 +167,9 @@ class Runtime:
     def fits(self, roles: list[str]) -> bool:
         """Whether `roles` (the parent first) fit where they would run (system.placement)."""
         from specquant_cli.errors import ResourceError
-        from specquant_cli.system.placement import require_fit
 
         try:
-            require_fit(self.facts, self.family, roles, self.n_ctx)
+            self._require_fit(roles)
             return True
         except ResourceError:
             return False

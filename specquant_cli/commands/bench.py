@@ -13,6 +13,7 @@ from specquant_cli.commands.options import (
     CtxOpt,
     FamilyOpt,
     JsonOpt,
+    RpcOpt,
     finite,
     load_family,
     split_list,
@@ -47,6 +48,7 @@ def bench(
     json_file: Optional[Path] = typer.Option(None, "--json-file", help="Write the full report (records + summary)"),
     md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown report"),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="PNG of speedup vs identical rate"),
+    rpc: Optional[str] = RpcOpt,
 ) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -5,7 +5,7 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import CtxOpt, FamilyOpt, JsonOpt, load_family
+from specquant_cli.commands.options import CtxOpt, FamilyOpt, JsonOpt, RpcOpt, load_family
 from specquant_cli.console import err, out_json
 
 
@@ -20,6 +20,7 @@ def calibrate(
     n_ctx: int = CtxOpt,
     force: bool = typer.Option(False, "--force", help="Measure again even when this machine's costs are cached"),
     json_out: bool = JsonOpt,
+    rpc: Optional[str] = RpcOpt,
 ) -> None:
     from specquant_cli.runtime import Runtime
 

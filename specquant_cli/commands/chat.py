@@ -11,6 +11,7 @@ from specquant_cli.commands.options import (
     FamilyOpt,
     JsonOpt,
     PolicyOpt,
+    RpcOpt,
     SeedOpt,
     TemperatureOpt,
     TopPOpt,
@@ -51,6 +52,7 @@ def chat(
     each_line: bool = typer.Option(False, "--each-line", help="Each non-empty input line is its own prompt"),
     stats: bool = typer.Option(False, "--stats", help="Print generation stats to stderr"),
     interactive: bool = typer.Option(False, "--interactive", "-i", help="Interactive even when stdin is piped"),
+    rpc: Optional[str] = RpcOpt,
 ) -> None:
     from specquant_cli.decoding.sampling import SamplingParams
     from specquant_cli.routing.policies import check_policy

@@ -8,7 +8,15 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from specquant_cli.commands.options import FAMILY_ENV, MAX_CTX, FamilyOpt, JsonOpt, load_family, warn_above_trained_ctx
+from specquant_cli.commands.options import (
+    FAMILY_ENV,
+    MAX_CTX,
+    FamilyOpt,
+    JsonOpt,
+    RpcOpt,
+    load_family,
+    warn_above_trained_ctx,
+)
 from specquant_cli.console import err, gib, out_json
 
 
@@ -23,6 +31,7 @@ def doctor(
     run_selftest: bool = typer.Option(False, "--selftest", help="Run the llama.cpp build's self-test again "
                                       "(a decode per weight type, in child processes); exit 1 if it fails"),
     json_out: bool = JsonOpt,
+    rpc: Optional[str] = RpcOpt,
 ) -> None:
     from specquant_cli.system import hardware, selftest
     from specquant_cli.system.placement import family_placements
@@ -52,9 +61,13 @@ def doctor(
         except FamilyError:  # a record too broken to plan with: reported below
             report["placements"] = {}
         from specquant_cli.system import calibration as cal
+        from specquant_cli.system import rpc as rpc_mod
 
-        c = cal.load(fam.root, cal.fingerprint(facts))
+        c = cal.load(fam.root, cal.fingerprint(facts, None, rpc_mod.configured()))
         report["calibration"] = c.to_dict() if c else None
+    remote = _rpc_report(report.get("family") and fam, n_ctx)
+    if remote:
+        report["rpc"] = remote
     if json_out:
         out_json(report)
     else:
@@ -63,11 +76,60 @@ def doctor(
         from specquant_cli.errors import LlamaError
 
         raise LlamaError(st.error or "the llama.cpp self-test failed")
+    if remote and remote.get("fits") is False:
+        from specquant_cli.errors import ResourceError
+
+        raise ResourceError(remote["problem"])
     if broken:
         from specquant_cli.errors import FamilyError
 
         raise FamilyError(f"family {report['family']['name']}: {len(broken)} of {len(report['family']['variants'])} "
                           "variants broken: " + "; ".join(f"{role}: {why}" for role, why in broken.items()))
+
+
+def _rpc_report(fam, n_ctx: int) -> Optional[dict]:
+    """The --rpc workers' memory (probed; a worker that is down is an error), and with a family, the parent's
+    layers over them (split by free memory) and whether it fits."""
+    from specquant_cli.errors import ResourceError
+    from specquant_cli.names import PARENT_ROLE
+    from specquant_cli.system import rpc
+
+    endpoints = rpc.configured()
+    if not endpoints:
+        return None
+    workers = rpc.probe_all(endpoints)
+    rep: dict = {"workers": [{"endpoint": w.endpoint, "free_bytes": w.free, "total_bytes": w.total}
+                             for w in workers]}
+    if fam:
+        from specquant_cli.system.placement import need
+
+        parent = need(fam, PARENT_ROLE, n_ctx)
+        shares = rpc.split_for(workers)
+        layers = [round(parent.n_layers * s) for s in shares]
+        rep["plan"] = {"parent": PARENT_ROLE, "parent_bytes": parent.total,
+                       "layers": {w.endpoint: n for w, n in zip(workers, layers)},
+                       "local": [r for r in fam.roles() if r != PARENT_ROLE]}
+        try:
+            rpc.require_remote_fit(workers, parent.total, f"the parent ({PARENT_ROLE})")
+            rep["fits"] = True
+        except ResourceError as e:
+            rep["fits"], rep["problem"] = False, str(e)
+    return rep
+
+
+def _render_rpc(r: dict) -> None:
+    t = Table(title="RPC workers (the parent runs there)")
+    for col in ("endpoint", "free", "total", "parent layers"):
+        t.add_column(col)
+    layers = r.get("plan", {}).get("layers", {})
+    for w in r["workers"]:
+        t.add_row(w["endpoint"], gib(w["free_bytes"]), gib(w["total_bytes"]), str(layers.get(w["endpoint"], "-")))
+    err.print(t)
+    if "plan" in r:
+        p = r["plan"]
+        verdict = "fits" if r["fits"] else f"[red]does not fit[/]: {escape(r['problem'])}"
+        err.print(f"plan: parent ({gib(p['parent_bytes'])} with KV cache) on the workers, "
+                  f"{', '.join(p['local']) or 'nothing'} here: {verdict}")
 
 
 def _render(report: dict) -> None:
@@ -87,6 +149,8 @@ def _render(report: dict) -> None:
     err.print(t)
     if report.get("advice"):
         err.print(f"[yellow]advice:[/] {report['advice']}")
+    if report.get("rpc"):
+        _render_rpc(report["rpc"])
     if "placements" in report:
         p = Table(title=f"placement for {report['family']['name']}")
         for col in ("models", "mode", "n_gpu_layers", "RAM", "VRAM", "fits RAM", "why"):

@@ -83,3 +83,20 @@ def load_family(path: Optional[Path]):
             raise FamilyError(f"no model family at {root}; fetch the demo family with: specquant pull smollm2-135m") \
                 from None
         raise
+
+
+def rpc_endpoints(value: Optional[str]) -> Optional[str]:
+    """Option callback: --rpc / $SPECQUANT_RPC, checked and made the session's workers (system.rpc.configure)."""
+    from specquant_cli.errors import InputError
+    from specquant_cli.system import rpc
+
+    try:
+        rpc.configure(rpc.parse_endpoints(value))
+    except InputError as e:
+        raise typer.BadParameter(str(e).removeprefix("--rpc ")) from None
+    return value
+
+
+RpcOpt = typer.Option(None, "--rpc", envvar="SPECQUANT_RPC", callback=rpc_endpoints, show_envvar=True,
+                      help="Run the parent's layers on llama.cpp RPC workers HOST:PORT[,HOST:PORT…] "
+                           "(specquant worker); drafts stay here")

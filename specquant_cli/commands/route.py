@@ -6,7 +6,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from specquant_cli.commands.options import ConfigOpt, FamilyOpt, JsonOpt, PolicyOpt, load_family
+from specquant_cli.commands.options import ConfigOpt, FamilyOpt, JsonOpt, PolicyOpt, RpcOpt, load_family
 from specquant_cli.console import err, out_json
 from specquant_cli.inputs import read_prompt
 
@@ -22,6 +22,7 @@ def route(
     policy: str = PolicyOpt,
     config: Optional[Path] = ConfigOpt,
     json_out: bool = JsonOpt,
+    rpc: Optional[str] = RpcOpt,
 ) -> None:
     from specquant_cli.routing.policies import check_policy
     from specquant_cli.routing.router import Router, load_config

@@ -5,7 +5,7 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, PolicyOpt, load_family, thread_bound
+from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, PolicyOpt, RpcOpt, load_family, thread_bound
 
 API_KEY_ENV = "SPECQUANT_API_KEY"
 
@@ -40,6 +40,7 @@ def serve(
                                           help="llama.cpp threads (default: all cores)"),
     n_ctx: int = CtxOpt,
     config: Optional[Path] = ConfigOpt,
+    rpc: Optional[str] = RpcOpt,
 ) -> None:
     from specquant_cli.serving.server import ServeOptions, build_service, run
 

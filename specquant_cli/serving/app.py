@@ -14,13 +14,14 @@ import os
 import re
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from itertools import accumulate
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -47,6 +48,19 @@ MAX_JSON_DEPTH = 64  # arrays and objects nested deeper are refused before parsi
 CLOSE = {"connection": "close"}  # on an answer sent before the whole body was read
 STATE_KEY = "specquant"  # per-request notes for the log line, in the ASGI scope's state
 
+# The chat page (GET /): static files, served without the API key (the page asks for it), as /health is.
+# Every /v1 call still needs the key. The CSP lets the page load and talk to this origin only.
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+PAGE_FILES = {"/": ("index.html", "text/html; charset=utf-8"),
+              "/static/page.js": ("page.js", "text/javascript; charset=utf-8"),
+              "/static/page.css": ("page.css", "text/css; charset=utf-8"),
+              "/static/icon.svg": ("icon.svg", "image/svg+xml")}
+PUBLIC_PATHS = frozenset({"/health", *PAGE_FILES})  # GET or HEAD only
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+       "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+PAGE_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+                "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
+
 
 def create_app(svc: Service):
     """The ASGI application to serve: the FastAPI routes inside the guard."""
@@ -70,9 +84,12 @@ def create_app(svc: Service):
     @app.get("/health")
     async def health():
         stopping = svc.worker.stopping
-        body = {"status": "shutting_down" if stopping else "ok", "family": svc.family.name,
+        state = "parent_lost" if svc.worker.lost else "shutting_down" if stopping else "ok"
+        body = {"status": state, "family": svc.family.name,
                 "policy": svc.default_policy, **svc.worker.status()}
         return JSONResponse(body, status_code=503 if stopping else 200)
+
+    _add_page(app)
 
     @app.get("/v1/models")
     async def models():
@@ -93,7 +110,18 @@ def create_app(svc: Service):
     async def completions(request: Request):
         return await _generate(svc, request, chat=False)
 
-    return Guard(app, svc.api_key)
+    return Guard(app, svc.api_key, public=PUBLIC_PATHS)
+
+
+def _add_page(app: FastAPI) -> None:
+    """GET routes for the chat page's files, read once now."""
+    for path, (name, media_type) in PAGE_FILES.items():
+        content = (STATIC_DIR / name).read_bytes()
+
+        async def serve(content=content, media_type=media_type):
+            return Response(content, media_type=media_type, headers=PAGE_HEADERS)
+
+        app.add_api_route(path, serve, methods=["GET", "HEAD"], include_in_schema=False)
 
 
 # -- generation -----------------------------------------------------------------------------------
@@ -161,7 +189,7 @@ async def _watch_disconnect(request: Request, svc: Service, job: Job) -> None:
 async def _sse(svc: Service, job: Job, maker: ChunkMaker, answer, first, notes: dict) -> AsyncIterator[str]:
     ended = False
     try:
-        opening = maker.first()
+        opening = maker.first(answer)
         if opening is not None:
             yield _event(opening)
         kind, payload = "record", first
@@ -174,7 +202,7 @@ async def _sse(svc: Service, job: Job, maker: ChunkMaker, answer, first, notes: 
             rec = payload
             notes["gen"] = (answer, rec)
             if rec.text:
-                yield _event(maker.text(rec.text))
+                yield _event(maker.text(answer, rec))
             if rec.finish_reason is not None:
                 yield _event(maker.finish(answer, rec))
                 if maker.include_usage:
@@ -298,12 +326,15 @@ def _notes(request: Request) -> dict:
 # -- the guard ----------------------------------------------------------------------------------------
 
 class Guard:
-    """Outermost ASGI layer: Bearer auth (constant-time), one stderr log line per request, no tracebacks out."""
+    """Outermost ASGI layer: Bearer auth (constant-time; not for a GET or HEAD of a `public` path), one stderr log
+    line per request, no tracebacks out."""
 
-    def __init__(self, app, api_key: Optional[str], log: Optional[Callable[[str], None]] = None):
+    def __init__(self, app, api_key: Optional[str], log: Optional[Callable[[str], None]] = None,
+                 public: Collection[str] = ()):
         self.app = app
         self._key = api_key.encode() if api_key else None
         self._log = log or _stderr
+        self._public = frozenset(public)  # paths a GET or HEAD reaches without the key
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -340,7 +371,7 @@ class Guard:
             self._log(_log_line(scope, state, notes, time.perf_counter() - t0))
 
     def _denied(self, scope) -> Optional[str]:
-        if self._key is None:
+        if self._key is None or (scope.get("method") in ("GET", "HEAD") and scope.get("path") in self._public):
             return None
         auth = next((v for k, v in scope.get("headers", []) if k == b"authorization"), None)
         if auth is None:

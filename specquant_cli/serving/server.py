@@ -54,6 +54,19 @@ class Service:
         self.max_tokens = opts.max_tokens
         self.max_body = opts.max_body
         self.worker = EngineWorker(self.generate, opts.max_queue)
+        self.parent_tokens_per_s = parent_rate(runtime)  # read once: the runtime belongs to the worker thread
+        if runtime.rpc:
+            from specquant_cli.system import rpc
+
+            rpc.on_lost(self.parent_lost)
+
+    def parent_lost(self, line: str) -> bool:
+        """system.rpc's handler for a worker lost mid-graph: this request and every later one get 503; the
+        server stays up (without its parent) until restarted."""
+        _stderr(f"error: {line}; answering 503 until restarted")
+        self.worker.lose_engine(ApiError(503, f"{line}; restart the server once the worker is back",
+                                         type="server_error", code="rpc_worker_lost"))
+        return True
 
     def policy_for(self, requested: Optional[str], param: str) -> str:
         if requested is None:
@@ -69,7 +82,8 @@ class Service:
                 "owned_by": "specquant",
                 "specquant": {"roles": {r: fam.variant(r)["type"] for r in fam.roles()},
                               "loaded": self.runtime.loaded(), "policies": self.policies,
-                              "default_policy": self.default_policy, "provenance": fam.provenance}}
+                              "default_policy": self.default_policy, "provenance": fam.provenance,
+                              "parent_tokens_per_s": self.parent_tokens_per_s}}
 
     def generate(self, params: GenerationParams):
         """On the worker thread: route, plan and return (answer, records) for one request."""
@@ -81,6 +95,14 @@ class Service:
             limit = max(1, min(self.max_tokens, self.runtime.n_ctx - n_prompt))
         return self.session.ask_messages(params.messages or [], policy=params.policy, sampling=params.sampling,
                                          max_tokens=limit, stop=params.stop, raw_prompt=params.prompt)
+
+
+def parent_rate(runtime) -> Optional[float]:
+    """The parent's calibrated decode speed on this machine (tokens/s: one 1-token call each), None when this
+    machine has no valid calibration for the family (`specquant calibrate`; the auto policy measures it)."""
+    cal = runtime.calibration(measure=False)
+    step = cal.parent_call_s.get(1) if cal is not None else None
+    return round(1.0 / step, 2) if step else None
 
 
 def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: Optional[int],
@@ -137,8 +159,9 @@ def run(svc: Service, opts: ServeOptions, say=None) -> None:
         server.run()
     finally:
         svc.worker.stop()
-        svc.worker.join(WORKER_JOIN_S)
-        svc.runtime.close()
+        if svc.worker.lost is None:  # else its thread and the parent's sockets are stuck for good: leave them
+            svc.worker.join(WORKER_JOIN_S)
+            svc.runtime.close()
     say("specquant serve: stopped")
 
 

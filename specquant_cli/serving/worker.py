@@ -84,6 +84,7 @@ class EngineWorker:
         self._stopping: Optional[ApiError] = None
         self._thread = threading.Thread(target=self._loop, name="specquant-engine", daemon=True)
         self._mean_s: Optional[float] = None
+        self.lost: Optional[str] = None  # why the engine is gone for good (a lost RPC worker), else None
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
 
     # -- the request side (event loop) ---------------------------------------------------------
@@ -130,6 +131,21 @@ class EngineWorker:
             self._waiting.clear()
             if self._running is not None:
                 self._running.cancel(reason)
+            self._cond.notify_all()
+
+    def lose_engine(self, reason: ApiError) -> None:
+        """From any thread: the engine is gone for good and its thread will not come back (ggml-rpc lost a worker
+        mid-graph: system.rpc parks that thread). The running job ends with `reason` now, as do the waiting
+        ones and every later request; the server stays up to say so."""
+        with self._cond:
+            self.lost = str(reason)
+            self._stopping = reason
+            for job in [*self._waiting, *([self._running] if self._running is not None else [])]:
+                if not job.done:
+                    job.done = True
+                    job.put("error", reason)
+                    self.counts["failed"] += 1
+            self._waiting.clear()
             self._cond.notify_all()
 
     @property

@@ -44,7 +44,8 @@ AGREEMENT_PROMPTS = (
 )
 AGREEMENT_TOKENS = 64  # parent tokens per prompt
 
-def fingerprint(facts, threads: Optional[int] = None) -> dict:
+def fingerprint(facts, threads: Optional[int] = None, rpc: Optional[list[str]] = None) -> dict:
+    """What a calibration depends on; a parent on RPC workers is calibrated per worker set (`rpc` endpoints)."""
     from importlib.metadata import version
 
     model = ""
@@ -57,7 +58,7 @@ def fingerprint(facts, threads: Optional[int] = None) -> dict:
 
     return {"schema": SCHEMA, "cpu": model, "cores": facts.cores_logical, "threads": threads or default_threads(),
             "gpus": [g.name for g in facts.gpus], "gpu_offload": facts.gpu_offload,
-            "llama_cpp_python": version("llama-cpp-python")}
+            "llama_cpp_python": version("llama-cpp-python"), **({"rpc": sorted(rpc)} if rpc else {})}
 
 
 def key_of(fp: dict) -> str:

@@ -1,0 +1,198 @@
+"""A parent over llama.cpp RPC workers (`specquant worker`, `--rpc`), loopback only.
+
+Two workers per module, subprocesses on free 127.0.0.1 ports. Every subprocess has a deadline: a hang
+fails the test instead of stalling the suite. Faults: ggml-rpc aborts the process on a lost worker; what
+is asserted is specquant's guard around it (one `error:` line and exit 1 for chat; a 503 and a server
+that stays up for serve)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from test_serve import KEY, ServerProc
+
+from conftest import REPO
+
+RUN_TIMEOUT_S = 300
+PROMPT = "The capital of France is"
+COUNTING = "Count from 1 to 1000, separated by commas: 1, 2, 3, 4,"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(*args: str, timeout: float = RUN_TIMEOUT_S, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specquant_cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL, **kw)
+
+
+class Worker:
+    """`specquant worker --port P` in a subprocess, ready once it prints its endpoint."""
+
+    def __init__(self, *extra: str):
+        self.port = free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "specquant_cli", "worker", "--port", str(self.port),
+                                      "--threads", "1", *extra], cwd=REPO, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(60) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError("worker did not start:\n" + "\n".join(self.lines))
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+            if "serving" in line:
+                self._ready.set()
+        self._ready.set()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def workers():
+    ws = [Worker(), Worker()]
+    yield ",".join(w.endpoint for w in ws)
+    for w in ws:
+        w.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["parent", "spec-q4", "auto"])
+def test_greedy_output_through_workers_is_identical(family_dir, workers, policy):
+    args = ["chat", "--family", str(family_dir), "--policy", policy, "--max-tokens", "24", PROMPT]
+    local = cli(*args)
+    remote = cli(*args, "--rpc", workers)
+    assert local.returncode == 0, local.stderr
+    assert remote.returncode == 0, remote.stderr
+    assert remote.stdout == local.stdout and local.stdout.strip()
+
+
+@pytest.mark.slow
+def test_env_variable_and_doctor_plan(family_dir, workers):
+    r = cli("doctor", "--family", str(family_dir), "--json", env={**os.environ, "SPECQUANT_RPC": workers})
+    assert r.returncode == 0, r.stderr
+    import json
+
+    rep = json.loads(r.stdout)["rpc"]
+    assert [w["endpoint"] for w in rep["workers"]] == workers.split(",")
+    assert rep["fits"] is True and sum(rep["plan"]["layers"].values()) > 0
+
+
+@pytest.mark.slow
+def test_plan_that_does_not_fit_is_refused_before_loading(family_dir):
+    w = Worker("--mem", "0.05")
+    try:
+        r = cli("chat", "--family", str(family_dir), "--policy", "parent", "--rpc", w.endpoint, "hi", timeout=120)
+    finally:
+        w.stop()
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: the parent (f16) needs") and r.stderr.count("\n") == 1
+
+
+def test_worker_down_at_start_is_one_line(family_dir):
+    port = free_port()
+    r = cli("chat", "--family", str(family_dir), "--policy", "parent", "--rpc", f"127.0.0.1:{port}", "hi", timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and f"127.0.0.1:{port}" in r.stderr and "not reachable" in r.stderr
+
+
+def test_bad_endpoint_is_a_usage_error():
+    r = cli("chat", "--rpc", "nohostport", "hi", timeout=60)
+    assert r.returncode == 2 and "HOST:PORT" in r.stderr
+
+
+def test_non_loopback_host_needs_allow_remote():
+    r = cli("worker", "--host", "0.0.0.0", "--port", str(free_port()), timeout=60)
+    assert r.returncode == 1 and "--allow-remote" in r.stderr and "authentication" in r.stderr
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_worker_stops_on_signal(sig, code):
+    w = Worker()
+    assert w.stop(sig) == code
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_answer_ends_chat_with_a_clear_error(family_dir):
+    w = Worker()
+    proc = subprocess.Popen([sys.executable, "-m", "specquant_cli", "chat", "--family", str(family_dir), "--policy",
+                             "parent", "--max-tokens", "3000", "--rpc", w.endpoint, COUNTING], cwd=REPO,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: any("Accepted client" in ln for ln in w.lines), 120)
+        time.sleep(8)  # the parent is loaded on the worker and decoding
+        w.proc.kill()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        w.stop()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert err.strip().splitlines()[-1].startswith(f"error: RPC worker {w.endpoint} was lost mid-answer")
+
+
+@pytest.mark.slow
+def test_serve_through_workers_and_a_lost_worker(family_dir):
+    w = Worker()
+    srv = ServerProc(["--family", str(family_dir), "--policy", "parent", "--policies", "parent,spec-q4",
+                      "--api-key", KEY, "--rpc", w.endpoint])
+    try:
+        client = srv.client()
+        r = client.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert r.choices[0].text
+        got: dict = {}
+
+        def long_request():
+            try:
+                client.completions.create(model="smollm2-135m", prompt=COUNTING, max_tokens=3000, temperature=0)
+            except openai.APIStatusError as e:
+                got["error"] = e
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(8)
+        w.proc.kill()
+        t.join(60)
+        assert not t.is_alive()
+        e = got["error"]
+        assert e.status_code == 503 and e.body["code"] == "rpc_worker_lost" and w.endpoint in e.body["message"]
+        h = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        assert h.status_code == 503 and h.json()["status"] == "parent_lost"
+        with pytest.raises(openai.APIStatusError) as again:
+            client.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=4)
+        assert again.value.status_code == 503
+    finally:
+        code = srv.stop()
+        w.stop()
+    assert code == 0, srv.log()
+
+
+def _wait_for(cond, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.2)
