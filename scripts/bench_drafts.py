@@ -36,10 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from specquant_cli.backend.llama import Context, Model  # noqa: E402
-from specquant_cli.family.manifest import Family  # noqa: E402
+from specquant_cli.backend.llama import Context, Model
+from specquant_cli.family.manifest import Family
 
 REPO = Path(__file__).resolve().parent.parent
 ROLES = ("q4", "q4i", "q3g", "q3g30", "q4s", "q4si")

@@ -15,16 +15,13 @@ import statistics
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from specquant_cli.backend.llama import Context, Model  # noqa: E402
-from specquant_cli.decoding.drafters import ModelDrafter, NGramDrafter  # noqa: E402
-from specquant_cli.decoding.engine import Engine  # noqa: E402
-from specquant_cli.decoding.gamma import AdaptiveGamma, FixedGamma  # noqa: E402
-from specquant_cli.decoding.stream import generate_text  # noqa: E402
-from specquant_cli.family.manifest import Family  # noqa: E402
+from specquant_cli.backend.llama import Context, Model
+from specquant_cli.decoding.drafters import ModelDrafter, NGramDrafter
+from specquant_cli.decoding.engine import Engine
+from specquant_cli.decoding.gamma import AdaptiveGamma, FixedGamma
+from specquant_cli.decoding.stream import generate_text
+from specquant_cli.family.manifest import Family
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring and two examples.",

@@ -26,10 +26,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from specquant_cli.bench.datasets import load  # noqa: E402
-from specquant_cli.family.manifest import Family  # noqa: E402
+from specquant_cli.bench.datasets import load
+from specquant_cli.family.manifest import Family
 
 
 def free_port() -> int:

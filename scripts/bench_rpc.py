@@ -26,15 +26,14 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from specquant_cli.decoding.drafters import ModelDrafter
+from specquant_cli.decoding.engine import Engine
+from specquant_cli.decoding.gamma import AdaptiveGamma
+from specquant_cli.decoding.stream import generate_text
+from specquant_cli.family.manifest import Family
+from specquant_cli.runtime import Runtime
 
-from specquant_cli.decoding.drafters import ModelDrafter  # noqa: E402
-from specquant_cli.decoding.engine import Engine  # noqa: E402
-from specquant_cli.decoding.gamma import AdaptiveGamma  # noqa: E402
-from specquant_cli.decoding.stream import generate_text  # noqa: E402
-from specquant_cli.family.manifest import Family  # noqa: E402
-from specquant_cli.runtime import Runtime  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring and two examples.",

@@ -11,15 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from specquant_cli.family.manifest import Family  # noqa: E402
-from specquant_cli.routing.router import Router, load_config  # noqa: E402
-from specquant_cli.runtime import Runtime  # noqa: E402
+from specquant_cli.family.manifest import Family
+from specquant_cli.routing.router import Router, load_config
+from specquant_cli.runtime import Runtime
 
 FACTUAL = ["What is the capital of France?", "Who wrote Hamlet?", "How many legs does a spider have?",
            "What is 12 times 12?", "When did World War II end?", "What is the boiling point of water?",

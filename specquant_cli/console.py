@@ -70,7 +70,3 @@ def byte_progress() -> Progress:
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
-
-
-def mib(n: float) -> str:
-    return f"{n / 2**20:.0f} MiB"

@@ -60,10 +60,6 @@ def read_line() -> str:
     return decode_input(raw.rstrip(b"\n").rstrip(b"\r"), "that line")
 
 
-STDIN_RULE = ("stdin is read only when no PROMPT is given or a PROMPT argument is '-' (several arguments are "
-              "joined by blank lines, '-' standing for stdin at its place)")
-
-
 def read_prompt(args: Optional[Sequence[str]], allow_empty: bool = False) -> str:
     """The prompt from PROMPT arguments. The rule (documented in the README): stdin is read when no
     argument is given, or where an argument is '-'; a prompt given as an argument never waits on a pipe,

@@ -11,7 +11,6 @@ TIERS: tuple[str, ...] = get_args(Tier)
 # Family roles are open (quantize can add any), these are the ones the built-in policies know.
 Role = str
 PARENT_ROLE: Role = "f16"
-KNOWN_ROLES: tuple[str, ...] = ("q4", "q8", "f16")
 ROLE_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # what `quantize --role NAME` accepts
 
 LogitsMode = Literal["last", "all", "none"]  # which rows of a decoded batch keep logits

@@ -146,10 +146,6 @@ class Plan:
         return {**asdict(self), "description": self.describe()}
 
 
-def policy_names() -> list[str]:
-    return list(POLICIES)
-
-
 def bench_policies() -> list[str]:
     return [n for n, s in POLICIES.items() if s.in_bench]
 
