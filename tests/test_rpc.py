@@ -27,6 +27,9 @@ PROMPT = "The capital of France is"
 COUNTING = "Count from 1 to 1000, separated by commas: 1, 2, 3, 4,"
 
 
+RECOVER_TIMEOUT_S = 120  # a restarted server loads its models again
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,8 +44,8 @@ def cli(*args: str, timeout: float = RUN_TIMEOUT_S, **kw) -> subprocess.Complete
 class Worker:
     """`specquant worker --port P` in a subprocess, ready once it prints its endpoint."""
 
-    def __init__(self, *extra: str):
-        self.port = free_port()
+    def __init__(self, *extra: str, port: int | None = None):
+        self.port = port or free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "specquant_cli", "worker", "--port", str(self.port),
                                       "--threads", "1", *extra], cwd=REPO, stdin=subprocess.DEVNULL,
@@ -185,10 +188,22 @@ def test_serve_through_workers_and_a_lost_worker(family_dir):
         with pytest.raises(openai.APIStatusError) as again:
             client.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=4)
         assert again.value.status_code == 503
+        w = Worker(port=w.port)  # the worker is back: the server restarts itself (same port) and answers again
+        _wait_for(lambda: _health(srv) == 200, RECOVER_TIMEOUT_S)
+        back = client.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert back.choices[0].text == r.choices[0].text
+        assert "restarting to load the parent" in srv.log()
     finally:
         code = srv.stop()
         w.stop()
     assert code == 0, srv.log()
+
+
+def _health(srv) -> int:
+    try:
+        return httpx.get(srv.url + "/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0  # between the old process and the new one nothing listens
 
 
 def _wait_for(cond, timeout: float) -> None:

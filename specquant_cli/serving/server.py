@@ -6,6 +6,7 @@ A second SIGINT forces the exit."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -15,7 +16,7 @@ from typing import Optional
 import uvicorn
 
 from specquant_cli.decoding.registry import family_draft_roles
-from specquant_cli.errors import InputError, ResourceError
+from specquant_cli.errors import InputError, ResourceError, SpecquantError
 from specquant_cli.family.manifest import MANIFEST
 from specquant_cli.names import PARENT_ROLE
 from specquant_cli.routing.policies import POLICIES, all_roles, check_policy, policy_spec
@@ -25,6 +26,7 @@ from specquant_cli.serving.worker import EngineWorker
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SHUTDOWN_GRACE_S = 10  # uvicorn's wait for open connections after a signal
 WORKER_JOIN_S = 30
+RECOVER_POLL_S = 2.0  # how often a server that lost its RPC parent asks whether the workers are back
 WARM_UP_TEXT = "Warm up the router."
 
 
@@ -55,18 +57,36 @@ class Service:
         self.max_body = opts.max_body
         self.worker = EngineWorker(self.generate, opts.max_queue)
         self.parent_tokens_per_s = parent_rate(runtime)  # read once: the runtime belongs to the worker thread
+        self.bound_port: Optional[int] = None  # the port uvicorn listens on, once it does
+        self.exiting = threading.Event()  # set on SIGINT/SIGTERM: no restart after that
         if runtime.rpc:
             from specquant_cli.system import rpc
 
             rpc.on_lost(self.parent_lost)
 
     def parent_lost(self, line: str) -> bool:
-        """system.rpc's handler for a worker lost mid-graph: this request and every later one get 503; the
-        server stays up (without its parent) until restarted."""
-        _stderr(f"error: {line}; answering 503 until restarted")
-        self.worker.lose_engine(ApiError(503, f"{line}; restart the server once the worker is back",
+        """system.rpc's handler for a worker lost mid-graph: this request and every later one get 503 while the
+        workers are away; once they all answer again the server restarts itself on the same port (ggml-rpc
+        cannot reconnect inside one process) and loads the parent anew."""
+        _stderr(f"error: {line}; answering 503 until the workers answer again, then restarting")
+        self.worker.lose_engine(ApiError(503, f"{line}; the server restarts by itself once the worker is back",
                                          type="server_error", code="rpc_worker_lost"))
+        threading.Thread(target=self._restart_when_back, name="specquant-recover", daemon=True).start()
         return True
+
+    def _restart_when_back(self) -> None:
+        from specquant_cli.system import rpc
+
+        while not self.exiting.wait(RECOVER_POLL_S):
+            try:
+                rpc.probe_all(self.runtime.rpc)
+            except SpecquantError:
+                continue
+            if self.bound_port is None or self.exiting.is_set():
+                return
+            _stderr("specquant serve: the RPC workers answer again; restarting to load the parent")
+            args = with_port(sys.argv[1:], self.bound_port)
+            os.execv(sys.executable, [sys.executable, "-m", "specquant_cli", *args])
 
     def policy_for(self, requested: Optional[str], param: str) -> str:
         if requested is None:
@@ -95,6 +115,19 @@ class Service:
             limit = max(1, min(self.max_tokens, self.runtime.n_ctx - n_prompt))
         return self.session.ask_messages(params.messages or [], policy=params.policy, sampling=params.sampling,
                                          max_tokens=limit, stop=params.stop, raw_prompt=params.prompt)
+
+
+def with_port(args: list[str], port: int) -> list[str]:
+    """The command line `args` with --port set to `port` (a restart keeps the port, --port 0 included)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--port":
+            skip = True
+        elif not a.startswith("--port="):
+            out.append(a)
+    return [*out, "--port", str(port)]
 
 
 def parent_rate(runtime) -> Optional[float]:
@@ -179,12 +212,14 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started and self.servers:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self._svc.bound_port = port
             shown = f"[{host}]" if ":" in host else host
             self._say(f"specquant serve: listening on http://{shown}:{port} (family {self._svc.family.name}, "
                       f"policy {self._svc.default_policy}, queue {self._opts.max_queue}, "
                       f"{'API key required' if self._svc.api_key else 'no API key'})")
 
     def handle_exit(self, sig: int, frame) -> None:
+        self._svc.exiting.set()
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         else:
