@@ -7,6 +7,7 @@ that stays up for serve)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -92,6 +93,19 @@ def test_greedy_output_through_workers_is_identical(family_dir, workers, policy)
     assert local.returncode == 0, local.stderr
     assert remote.returncode == 0, remote.stderr
     assert remote.stdout == local.stdout and local.stdout.strip()
+
+
+@pytest.mark.slow
+def test_bench_through_workers_is_identical_to_local(family_dir, workers, tmp_path):
+    args = ["bench", "--family", str(family_dir), "--categories", "qa,code", "--limit", "1", "--policies",
+            "parent,spec-q4", "--max-tokens", "16", "--warmup", "0"]
+    texts = {}
+    for where, extra in (("local", []), ("remote", ["--rpc", workers])):
+        out = tmp_path / f"{where}.json"
+        p = cli(*args, *extra, "--json-file", str(out))
+        assert p.returncode == 0, p.stderr
+        texts[where] = {(r["item"], r["policy"]): r["text"] for r in json.loads(out.read_text())["records"]}
+    assert texts["remote"] == texts["local"] and len(texts["local"]) == 4
 
 
 @pytest.mark.slow
