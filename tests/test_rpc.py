@@ -181,6 +181,10 @@ def test_serve_through_workers_and_a_lost_worker(family_dir):
         client = srv.client()
         r = client.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=8, temperature=0)
         assert r.choices[0].text
+        chat = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": PROMPT}],
+                                              max_tokens=16, temperature=0)
+        local = cli("chat", "--family", str(family_dir), "--policy", "parent", "--max-tokens", "16", PROMPT)
+        assert chat.choices[0].message.content == local.stdout.rstrip("\n")  # served through the workers = local
         got: dict = {}
 
         def long_request():
