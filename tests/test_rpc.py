@@ -173,10 +173,13 @@ def test_worker_killed_mid_answer_ends_chat_with_a_clear_error(family_dir):
 
 
 @pytest.mark.slow
-def test_serve_through_workers_and_a_lost_worker(family_dir):
-    w = Worker()
+@pytest.mark.parametrize("n_workers", [1, 2])
+def test_serve_through_workers_and_a_lost_worker(family_dir, n_workers):
+    """One worker killed mid-answer: 503s while it is away, then the server restarts itself (same port) and
+    answers as before. With two, the survivor is first freed of the dead parent's connection."""
+    ws = [Worker() for _ in range(n_workers)]
     srv = ServerProc(["--family", str(family_dir), "--policy", "parent", "--policies", "parent,spec-q4",
-                      "--api-key", KEY, "--rpc", w.endpoint])
+                      "--api-key", KEY, "--rpc", ",".join(w.endpoint for w in ws)])
     try:
         client = srv.client()
         r = client.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=8, temperature=0)
@@ -196,24 +199,25 @@ def test_serve_through_workers_and_a_lost_worker(family_dir):
         t = threading.Thread(target=long_request)
         t.start()
         time.sleep(8)
-        w.proc.kill()
+        ws[0].proc.kill()
         t.join(60)
         assert not t.is_alive()
         e = got["error"]
-        assert e.status_code == 503 and e.body["code"] == "rpc_worker_lost" and w.endpoint in e.body["message"]
+        assert e.status_code == 503 and e.body["code"] == "rpc_worker_lost" and ws[0].endpoint in e.body["message"]
         h = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
-        assert h.status_code == 503 and h.json()["status"] == "parent_lost"
+        assert h.status_code == 503 and h.json()["status"] == "parent_lost" and h.json()["busy"] is False
         with pytest.raises(openai.APIStatusError) as again:
             client.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=4)
         assert again.value.status_code == 503
-        w = Worker(port=w.port)  # the worker is back: the server restarts itself (same port) and answers again
+        ws[0] = Worker(port=ws[0].port)  # the worker is back: the server restarts itself and answers again
         _wait_for(lambda: _health(srv) == 200, RECOVER_TIMEOUT_S)
         back = client.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=8, temperature=0)
         assert back.choices[0].text == r.choices[0].text
         assert "restarting to load the parent" in srv.log()
     finally:
         code = srv.stop()
-        w.stop()
+        for w in ws:
+            w.stop()
     assert code == 0, srv.log()
 
 

@@ -127,3 +127,15 @@ def test_fault_result_is_one_line_through_cli_in_process(monkeypatch, family_dir
     monkeypatch.setattr(selftest, "cached", lambda k=None: bad)
     r = run_cli(["chat", "--family", str(family_dir), "--policy", "parent", "--max-tokens", "2", "hi"])
     assert_clean_error(r, 1, "SIGILL", "Q4_0")
+
+
+def test_a_self_test_that_could_not_run_warns_and_goes_on(monkeypatch):
+    """No temp space, out of time: not the build's fault, so not a refusal (and not cached)."""
+    could_not = selftest.Result(key="k", ok=False, types={"f16": "exit code 1"}, definitive=False,
+                                error="the llama.cpp self-test could not run (F16: cannot create a work folder)")
+    monkeypatch.setattr(selftest, "_verified", None)
+    monkeypatch.setattr(selftest, "cached", lambda k=None: None)
+    monkeypatch.setattr(selftest, "run", lambda: could_not)
+    said: list[str] = []
+    selftest.ensure(status=said.append)
+    assert said[-1].startswith("warning: the llama.cpp self-test could not run")

@@ -38,7 +38,7 @@ def doctor(
 
     facts = hardware.detect()
     if run_selftest:
-        err.print("self-test of this llama.cpp build on this CPU (one child process per failure):", markup=False)
+        err.print("self-test of this llama.cpp build on this CPU (in child processes):", markup=False)
         st = selftest.run(on_type=lambda t, outcome: err.print(f"  {t:5} {outcome}", markup=False))
     else:
         st = selftest.cached()

@@ -13,8 +13,9 @@ HELP = ("Serve a family over an OpenAI-compatible HTTP API: /v1/chat/completions
         "/health.\n\n"
         "One engine: requests are generated one at a time from a bounded queue (a full queue answers 429). The "
         "policy per request comes from the body's specquant_policy or the x-specquant-policy header, else --policy. "
-        "Binds to 127.0.0.1 unless --host says otherwise; with --api-key (or $SPECQUANT_API_KEY) every request "
-        "needs Authorization: Bearer KEY. One log line per request on stderr; SIGINT/SIGTERM stop cleanly.")
+        "Binds to 127.0.0.1 unless --host says otherwise; with --api-key (or $SPECQUANT_API_KEY) every /v1 request "
+        "needs Authorization: Bearer KEY (GET /health and the chat page at / do not). One log line per request on "
+        "stderr; SIGINT/SIGTERM stop cleanly.")
 
 
 def register(app: typer.Typer) -> None:
@@ -30,7 +31,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (0.0.0.0: every interface)"),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port (0: any free port, printed at start)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True,
-                                          help="Require Authorization: Bearer KEY on every request"),
+                                          help="Require Authorization: Bearer KEY on every /v1 request"),
     queue: int = typer.Option(32, "--queue", min=0, help="Requests that may wait behind the running one"),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1,
                                    help="New tokens for a request that sets no max_tokens"),

@@ -59,6 +59,7 @@ class Service:
         self.parent_tokens_per_s = parent_rate(runtime)  # read once: the runtime belongs to the worker thread
         self.bound_port: Optional[int] = None  # the port uvicorn listens on, once it does
         self.exiting = threading.Event()  # set on SIGINT/SIGTERM: no restart after that
+        self._lost = threading.Event()  # the parent is gone (first report handled)
         if runtime.rpc:
             from specquant_cli.system import rpc
 
@@ -68,6 +69,9 @@ class Service:
         """system.rpc's handler for a worker lost mid-graph: this request and every later one get 503 while the
         workers are away; once they all answer again the server restarts itself on the same port (ggml-rpc
         cannot reconnect inside one process) and loads the parent anew."""
+        if self._lost.is_set():  # another of ggml's threads failing too: parked like the first
+            return True
+        self._lost.set()
         _stderr(f"error: {line}; answering 503 until the workers answer again, then restarting")
         self.worker.lose_engine(ApiError(503, f"{line}; the server restarts by itself once the worker is back",
                                          type="server_error", code="rpc_worker_lost"))
@@ -78,6 +82,7 @@ class Service:
         from specquant_cli.system import rpc
 
         while not self.exiting.wait(RECOVER_POLL_S):
+            rpc.release_sockets(self.runtime.rpc)  # a surviving worker stays busy with our dead connection
             try:
                 rpc.probe_all(self.runtime.rpc)
             except SpecquantError:
@@ -86,6 +91,7 @@ class Service:
                 return
             _stderr("specquant serve: the RPC workers answer again; restarting to load the parent")
             args = with_port(sys.argv[1:], self.bound_port)
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # ggml's sockets are not close-on-exec
             os.execv(sys.executable, [sys.executable, "-m", "specquant_cli", *args])
 
     def policy_for(self, requested: Optional[str], param: str) -> str:

@@ -139,8 +139,9 @@ class EngineWorker:
         ones and every later request; the server stays up to say so."""
         with self._cond:
             self.lost = str(reason)
+            running, self._running = self._running, None
             self._stopping = reason
-            for job in [*self._waiting, *([self._running] if self._running is not None else [])]:
+            for job in [*self._waiting, *([running] if running is not None else [])]:
                 if not job.done:
                     job.done = True
                     job.put("error", reason)

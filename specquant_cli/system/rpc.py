@@ -256,6 +256,31 @@ def arm_sockets(endpoints: list[str], deadline: Optional[float] = None) -> int:
     """Give this process's sockets to the workers keepalive, TCP_USER_TIMEOUT and a receive deadline (ggml
     sets none: a silent worker would hang it forever). Returns how many sockets were armed."""
     deadline = deadline_s() if deadline is None else deadline
+    peers = _peers(endpoints)
+    armed = 0
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        armed += _arm_fd(int(name), peers, deadline)
+    return armed
+
+
+def release_sockets(endpoints: list[str]) -> int:
+    """Shut down this process's connections to the workers (after a lost one: a surviving worker serves one
+    client at a time and would stay busy with the dead parent's connection). Returns how many."""
+    peers = _peers(endpoints)
+    done = 0
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        s = _peer_socket(int(name), peers)
+        if s is not None:
+            with s:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                    done += 1
+                except OSError:
+                    pass
+    return done
+
+
+def _peers(endpoints: list[str]) -> set:
     peers = set()
     for ep in endpoints:
         host, port = _split(ep)
@@ -263,23 +288,32 @@ def arm_sockets(endpoints: list[str], deadline: Optional[float] = None) -> int:
             peers.add((socket.gethostbyname(host), port))
         except OSError:
             continue
-    armed = 0
-    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
-        armed += _arm_fd(int(name), peers, deadline)
-    return armed
+    return peers
+
+
+def _peer_socket(fd: int, peers: set) -> Optional[socket.socket]:
+    """A duplicate of fd when it is a TCP socket connected to one of `peers`, else None."""
+    try:
+        if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+            return None
+        s = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    try:
+        if s.family == socket.AF_INET and s.getpeername() in peers:
+            return s
+    except OSError:
+        pass
+    s.close()
+    return None
 
 
 def _arm_fd(fd: int, peers: set, deadline: float) -> int:
-    try:
-        if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-            return 0
-        s = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)  # a duplicate: options apply to the same socket
-    except OSError:
+    s = _peer_socket(fd, peers)  # a duplicate: options apply to the same socket
+    if s is None:
         return 0
     with s:
         try:
-            if s.family != socket.AF_INET or s.getpeername() not in peers:
-                return 0
             s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)

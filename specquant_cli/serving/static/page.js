@@ -259,7 +259,9 @@
       if (!response.ok) return { error: await apiError(response), status: response.status };
       return await readStream(response, turn);
     } catch (err) {
-      return controller.signal.aborted ? { stopped: true } : { error: connectionLost(err) };
+      if (controller.signal.aborted) return { stopped: true };
+      controller.abort(); // a stream we cannot read any more: let the server stop generating for it
+      return { error: connectionLost(err) };
     }
   }
 
@@ -272,12 +274,12 @@
 
   // The answer is over (done, stopped or failed): keep what was shown in the conversation.
   function settle(userTurn, turn, outcome, prompt) {
-    if (outcome.error && !turn.text) { // nothing was said: take the question back, for a retry
+    if (!turn.text) { // nothing was said (an error, Stop, an empty answer): take the question back, for a retry
       state.messages.pop();
       userTurn.li.remove();
       turn.li.remove();
       $("prompt").value = prompt;
-    } else if (turn.text) {
+    } else {
       state.messages.push({ role: "assistant", content: turn.text });
     }
     if (outcome.error) {
