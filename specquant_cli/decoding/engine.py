@@ -24,9 +24,12 @@ DEFAULT_GAMMA = 4
 @dataclass
 class TokenEvent:
     token: int
-    from_draft: bool  # proposed by the drafter and accepted by the parent
+    source: Source = "parent"  # "draft" / "suffix": proposed by that kind of drafter and accepted; else the parent's
     eog: bool = False
-    source: Source = "parent"  # "draft" / "suffix" (which kind of drafter proposed it) when from_draft
+
+    @property
+    def from_draft(self) -> bool:
+        return self.source != "parent"
 
 
 @dataclass
@@ -96,8 +99,7 @@ class Engine:
                 seq.append(tok)
                 st.new_tokens += 1
                 eog = tok in self.eog_ids
-                drafted = i < outcome.accepted
-                yield TokenEvent(tok, from_draft=drafted, eog=eog, source=source if drafted else "parent")
+                yield TokenEvent(tok, source if i < outcome.accepted else "parent", eog)
                 if eog:
                     return
 
