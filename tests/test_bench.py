@@ -4,6 +4,7 @@ import statistics
 import pytest
 
 from specquant_cli.bench.datasets import builtin, extract_answer, final_answer, load
+from specquant_cli.bench.fidelity import NOISE_SAFETY_FACTOR
 
 from conftest import run_cli
 
@@ -21,7 +22,7 @@ def report(family_dir, tmp_path_factory):
 
 def test_json_schema(report):
     rep, _, _ = report
-    assert set(rep) >= {"command", "machine", "family", "config", "summary", "by_category", "records"}
+    assert set(rep) >= {"command", "machine", "family", "config", "summary", "by_category", "fidelity", "records"}
     assert "dequantized" in rep["family"]["provenance"] and rep["family"]["caveat"]
     import os
 
@@ -32,6 +33,38 @@ def test_json_schema(report):
                           "mean_accepted_length", "tiers", "accuracy", "peak_rss_mb", "time_split"}
     assert len(rep["records"]) == 2 * 2 and {r["category"] for r in rep["records"]} == {"qa", "math"}
     assert set(rep["by_category"]) == {"qa", "math"}
+
+
+def test_fidelity_columns_and_noise_figures(report):
+    """Greedy, lossless and identical: every answer judged identical, the noise measured, no warning."""
+    rep, md, err = report
+    for s in rep["summary"]:
+        assert s["fidelity"] == {"identical": 2, "near_tie": 0, "unexplained": 0}
+    assert all(r["fidelity"] == "identical" and r["tokens"] for r in rep["records"])
+    noise, divergences = rep["fidelity"]["noise"], rep["fidelity"]["divergences"]
+    assert divergences == [] and noise["rows"] > 0 and noise["safety_factor"] == NOISE_SAFETY_FACTOR
+    assert 0 <= noise["p99_margin_diff"] <= noise["max_margin_diff"] <= 2 * noise["max_logit_diff"]
+    assert noise["bound"] == pytest.approx(NOISE_SAFETY_FACTOR * noise["max_margin_diff"])
+    assert "| identical / near-tie / unexplained |" in md and "| parent | " in md and " | 2/0/0 | " in md
+    assert f"near-tie bound {noise['bound']:.3g}" in md and "## Divergences" not in md
+    assert "unexplained divergence" not in err
+
+
+def test_sampled_summary_has_no_fidelity_cells(report):
+    from specquant_cli.bench.report import COLUMNS, rows
+
+    rep, _, _ = report
+    sampled = [{**s, "fidelity": None} for s in rep["summary"]]
+    col = COLUMNS.index("identical / near-tie / unexplained")
+    assert [r[col] for r in rows(sampled)] == ["–", "–"]
+    assert [r[col] for r in rows(rep["summary"])] == ["2/0/0", "2/0/0"]
+
+
+def test_sampled_runs_are_not_judged():
+    from specquant_cli.bench.runner import judge_fidelity
+    from specquant_cli.decoding.sampling import SamplingParams
+
+    assert judge_fidelity(None, None, [], [], SamplingParams(temperature=0.7)) is None  # loads nothing
 
 
 def test_speedup_is_the_ratio_of_measured_means(report):

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+from specquant_cli.bench.fidelity import IDENTICAL, NEAR_TIE, UNEXPLAINED
 from specquant_cli.errors import InputError, SpecquantError
 from specquant_cli.fsutil import atomic_open, check_output_file, same_file, write_json_atomic, write_text_atomic
 
@@ -43,6 +44,7 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
             "decode_tokens_per_s": round(dec, 3), "decode_speedup": round(dec / base_dec, 4) if base_dec else None,
             "kv_import_rate": round(sum(imports) / len(imports), 4) if imports else None,
             "identical_rate": round(sum(ident) / len(ident), 4) if ident else None,
+            "fidelity": fidelity_counts(rs),
             "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
             "mean_accepted_length": round(new / calls, 3) if calls else None,
             "tiers": {t: round(sum(r.tier == t for r in rs) / len(rs), 3) for t in ("low", "medium", "high")},
@@ -57,6 +59,16 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
             "new_tokens": new,
         })
     return out
+
+
+def fidelity_counts(records: Sequence) -> Optional[dict]:
+    """How many of a policy's judged answers are identical to the parent's, near-ties, unexplained (None: none
+    judged: sampled, lossy, or no parent run)."""
+    verdicts = [r.fidelity for r in records if r.fidelity is not None]
+    if not verdicts:
+        return None
+    return {"identical": verdicts.count(IDENTICAL), "near_tie": verdicts.count(NEAR_TIE),
+            "unexplained": verdicts.count(UNEXPLAINED)}
 
 
 def by_category(records: Sequence, policies: Sequence[str]) -> dict[str, list[dict]]:
@@ -76,9 +88,14 @@ def _fmt(v, pct=False, x=False) -> str:
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
-COLUMNS = ("policy", "tok/s", "speedup", "decode speedup", "identical", "acceptance", "accepted/call", "low/med/high",
-           "accuracy",
-           "draft/verify/prefill", "peak RSS")
+COLUMNS = ("policy", "tok/s", "speedup", "decode speedup", "identical", "identical / near-tie / unexplained",
+           "acceptance", "accepted/call", "low/med/high", "accuracy", "draft/verify/prefill", "peak RSS")
+
+
+def _fidelity_cell(counts: Optional[dict]) -> str:
+    if counts is None:
+        return "–"
+    return f"{counts['identical']}/{counts['near_tie']}/{counts['unexplained']}"
 
 
 def rows(summary: list[dict]) -> list[list[str]]:
@@ -87,7 +104,7 @@ def rows(summary: list[dict]) -> list[list[str]]:
         t, sp = s["tiers"], s["time_split"]
         out.append([s["policy"] + (" (lossy)" if s["lossy"] else ""), _fmt(s["tokens_per_s"]),
                     _fmt(s["speedup"], x=True), _fmt(s.get("decode_speedup"), x=True),
-                    _fmt(s["identical_rate"], pct=True),
+                    _fmt(s["identical_rate"], pct=True), _fidelity_cell(s.get("fidelity")),
                     _fmt(s["acceptance_rate"], pct=True), _fmt(s["mean_accepted_length"]),
                     f"{t['low']:.0%}/{t['medium']:.0%}/{t['high']:.0%}",
                     f"{_fmt(s['accuracy'], pct=True)} (n={s['accuracy_n']})" if s["accuracy_n"] else "–",
@@ -116,13 +133,42 @@ def markdown(report: dict) -> str:
              f"{report['machine']['ram_total'] / 2**30:.1f} GiB RAM, GPUs: "
              f"{', '.join(g['name'] for g in report['machine']['gpus']) or 'none'}",
              f"- provenance: {report['family']['provenance']}",
-             f"- caveat: {report['family']['caveat']}", "", "## All prompts", "",
+             f"- caveat: {report['family']['caveat']}",
+             f"- fidelity: {noise_line(report.get('fidelity'))}", "", "## All prompts", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r) + " |" for r in rows(report["summary"])]
+    lines += divergence_table(report.get("fidelity"))
     for cat, summ in report["by_category"].items():
         lines += ["", f"## {cat}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(r) + " |" for r in rows(summ)]
     return "\n".join(lines) + "\n"
+
+
+def noise_line(fid: Optional[dict]) -> str:
+    """The measured batch-vs-single noise and the near-tie bound it gives (bench.fidelity)."""
+    if fid is None:
+        return "not judged (sampled run, or no parent run)"
+    n = fid["noise"]
+    return (f"the parent's batched vs one-at-a-time top-2 margin differs by at most {n['max_margin_diff']:.3g} "
+            f"(p99 {n['p99_margin_diff']:.3g}; any logit: {n['max_logit_diff']:.3g}) over {n['rows']} rows; "
+            f"near-tie bound {n['bound']:.3g} ({n['safety_factor']:g}× the max)")
+
+
+DIVERGENCE_COLUMNS = ("item", "policy", "position", "parent token", "policy token", "parent's top 2", "margin",
+                      "single-step pick", "verdict")
+
+
+def divergence_table(fid: Optional[dict]) -> list[str]:
+    """One row per answer that differs from the parent's, with the evidence for its verdict."""
+    if not fid or not fid["divergences"]:
+        return []
+    lines = ["", "## Divergences from the parent", "", "| " + " | ".join(DIVERGENCE_COLUMNS) + " |",
+             "|" + "---|" * len(DIVERGENCE_COLUMNS)]
+    for d in fid["divergences"]:
+        cells = [d["item"], d["policy"], d["position"], d["parent_token"], d["policy_token"],
+                 f"{d['top1']}, {d['top2']}", f"{d['margin']:.4g}", d["single_step_pick"], d["verdict"]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
 
 
 def check_plot_available() -> None:

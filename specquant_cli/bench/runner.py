@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from specquant_cli.bench import fidelity
 from specquant_cli.bench.datasets import Item, extract_answer
 from specquant_cli.decoding.sampling import SamplingParams
+from specquant_cli.names import PARENT_ROLE
 from specquant_cli.routing.router import Router
-from specquant_cli.runtime import Runtime
+from specquant_cli.runtime import ADAPTIVE_G_MAX, Runtime
 from specquant_cli.session import ChatSession
 
 
@@ -43,6 +45,8 @@ class Record:
     correct: Optional[bool]  # final answer equals the reference's (None: no reference)
     rss_mb: float
     text: str
+    tokens: list[int] = field(default_factory=list)  # the answer's token ids: what fidelity re-scores
+    fidelity: Optional[str] = None  # identical / near-tie / unexplained (bench.fidelity); None: not judged
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,4 +126,16 @@ def _record(item: Item, policy: str, answer, tokens, runs, parent_tokens, sp) ->
         kv_import_s=s.kv_import_s, kv_import=s.kv_import,
         draft_s=s.draft_s, verify_s=s.verify_s, drafted=s.drafted, accepted=s.accepted, parent_calls=s.parent_calls,
         finish_reason=s.finish_reason, identical=identical, correct=correct, rss_mb=round(_rss_mb(), 1),
-        text=answer.text)
+        text=answer.text, tokens=list(tokens))
+
+
+def judge_fidelity(runtime: Runtime, router: Router, items: Sequence[Item], records: Sequence[Record],
+                   sp: SamplingParams) -> Optional[dict]:
+    """After the timed runs: judge every divergence from the parent's greedy answer (bench.fidelity), setting
+    each judged record's `fidelity`. None for sampled runs or without the parent's answers to compare with."""
+    if not sp.greedy or not any(r.policy == "parent" for r in records):
+        return None
+    ctx = runtime.context(PARENT_ROLE)
+    session = ChatSession(runtime, router, "parent", sp)  # renders a prompt exactly as the timed runs did
+    prompts = {i.id: ctx.model.chat_prompt(session.messages(i.prompt)) for i in items}
+    return fidelity.check(ctx, records, prompts, runtime.gamma, ADAPTIVE_G_MAX)

@@ -37,7 +37,7 @@ def bench(
     policies: str = typer.Option(",".join(bench_policies()), "--policies", help="Comma-separated policies"),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, callback=finite,
-                                      help="0 = greedy (identical_rate needs it)"),
+                                      help="0 = greedy (identical_rate and the fidelity proof need it)"),
     seed: int = typer.Option(0, "--seed", min=0, max=2**64 - 1),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Timed runs per prompt and policy"),
     warmup: int = typer.Option(1, "--warmup", min=0, help="Warm-up generations per model before timing"),
@@ -52,7 +52,7 @@ def bench(
 ) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specquant_cli.bench import datasets, report, runner
+    from specquant_cli.bench import datasets, fidelity, report, runner
     from specquant_cli.decoding.sampling import SamplingParams
     from specquant_cli.family.fetch import INFLATION_NOTE
     from specquant_cli.routing.policies import check_policy
@@ -95,6 +95,8 @@ def bench(
                           f"{r.tokens_per_s:.2f} tok/s, {r.new_tokens} tokens", markup=False)
 
             records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup, line)
+        with err.status("fidelity: re-scoring divergences from the parent one token at a time"):
+            judged = runner.judge_fidelity(runtime, router, items, records, sp)  # after the clock
     finally:
         runtime.close()
     summary = report.summarize(records, names)
@@ -109,10 +111,13 @@ def bench(
         "wall_s": round(time.perf_counter() - t0, 1),
         "summary": summary,
         "by_category": report.by_category(records, names),
+        "fidelity": judged,
         "records": [r.to_dict() for r in records],
     }
     err.print(report.rich_table(summary, f"{fam.name}: {len(items)} prompts, {max_tokens} new tokens"))
     err.print(f"provenance: {fam.provenance}\ncaveat: {INFLATION_NOTE}", markup=False)
+    if warning := fidelity.warning(judged):
+        err.print(warning, markup=False, soft_wrap=True)  # one line, however long
     failure = report.write_outputs(rep, json_file, md_out, plot_out)  # each writable one is written
     if json_out:
         out_json(rep)
