@@ -1,17 +1,24 @@
-"""Requests/s and time-to-first-token of `specquant serve` for a short prompt, with 1 and N concurrent clients.
+"""`specquant serve` under concurrent clients: one request at a time (--parallel 1) against requests decoded
+together (--parallel N), per policy, with every answer checked against the parent's own.
 
-Starts the server (a subprocess on a free port) unless --url is given, warms it up, then for each client
-count runs --requests streamed chat requests spread over that many clients (official `openai` client).
-TTFT is the time from sending a request to its first content chunk (queueing included); requests/s is
-requests over wall time. Prints a markdown table on stdout; the server's log goes to stderr with --verbose.
+For each --parallel value a server is started (a subprocess on a free port, --policies as given), warmed
+up, then for each policy and client count C, C clients (official `openai` client, streamed, greedy) each send
+one Spec-Bench question at once. Per run: aggregate tokens/s (all completion tokens over wall time),
+per-request tokens/s (tokens over that request's own latency, median), TTFT p50/p95 (from sending to the
+first content chunk: queueing and prefill included). After the servers, the parent alone (in this process,
+one token per call) answers every question; each served answer is `identical` to it, a `near-tie` (where
+it leaves the parent's answer the parent's top two logits are closer than the measured batch-vs-single noise
+and the answer takes the other of the two) or `unexplained`.
 
-    .venv/bin/python scripts/bench_serve.py --clients 1,8 --requests 16 --max-tokens 32 --threads 1
+    python scripts/bench_serve.py --family models/qwen2.5-coder-1.5b --parallel 1,8 --policies parent,auto \\
+        --clients 1,2,4,8 --max-tokens 128 --json-file docs/bench/serve-qwen.json \\
+        --markdown docs/bench/serve-qwen.md --plot docs/bench/serve-qwen.png
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import re
 import statistics
 import subprocess
@@ -23,21 +30,25 @@ from pathlib import Path
 
 import openai
 
+from specquant_cli.bench import fidelity
+from specquant_cli.bench.datasets import load
+
 REPO = Path(__file__).resolve().parent.parent
-PROMPT = "What is the capital of France?"
+SPEC_BENCH = REPO.parent / "shared" / "bench" / "spec_bench.jsonl"
+# One question from each of Spec-Bench's multi-turn categories: short prompts, open answers.
+CATEGORIES = "writing,roleplay,reasoning,math,coding,extraction,stem,humanities"
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "specquant_cli", "serve", "--port", "0", "--family", args.family,
-           "--queue", "64", "--policy", args.policy, "--policies", args.policy]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
+def start_server(args, parallel: int) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "specquant_cli", "serve", "--port", "0", "--family", args.family, "--queue", "64",
+           "--parallel", str(parallel), "--policy", args.policies[0], "--policies", ",".join(args.policies),
+           "--max-tokens", str(args.max_tokens)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ready, url = threading.Event(), []
 
     def read():
         for line in proc.stderr:
-            if args.verbose:
+            if args.verbose or "listening" in line or "error" in line:
                 sys.stderr.write(line)
             m = re.search(r"listening on (http://\S+)", line)
             if m:
@@ -46,72 +57,175 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         ready.set()
 
     threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(300) or not url:
+    if not ready.wait(900) or not url:
         proc.kill()
-        sys.exit("server did not start")
+        sys.exit("bench_serve: the server did not start")
     return proc, url[0]
 
 
-def one(url: str, max_tokens: int) -> tuple[float, float, int]:
-    """(ttft_s, total_s, completion tokens) of one streamed greedy request."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+def one(url: str, question: str, policy: str, max_tokens: int) -> dict:
+    """One streamed greedy request: its TTFT, latency, completion tokens and text."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
-    for chunk in client.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}],
-                                                max_tokens=max_tokens, temperature=0, stream=True,
-                                                stream_options={"include_usage": True}):
-        if ttft is None and chunk.choices and chunk.choices[0].delta.content:
-            ttft = time.perf_counter() - t0
+    ttft, tokens, parts = None, 0, []
+    for chunk in client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"specquant_policy": policy}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            parts.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    return ttft if ttft is not None else float("nan"), time.perf_counter() - t0, tokens
+    return {"ttft_s": ttft if ttft is not None else float("nan"), "latency_s": time.perf_counter() - t0,
+            "tokens": tokens, "text": "".join(parts)}
 
 
-def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+def run(url: str, questions: list[str], policy: str, clients: int, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda _: one(url, max_tokens), range(requests)))
+        answers = list(pool.map(lambda q: one(url, q, policy, max_tokens), questions[:clients]))
     wall = time.perf_counter() - t0
-    ttfts = sorted(r[0] for r in results)
-    return {"clients": clients, "requests": requests, "wall_s": wall, "req_per_s": requests / wall,
-            "ttft_p50_ms": 1000 * statistics.median(ttfts), "ttft_max_ms": 1000 * ttfts[-1],
-            "latency_p50_ms": 1000 * statistics.median(r[1] for r in results),
-            "tokens_per_request": statistics.mean(r[2] for r in results),
-            "tokens_per_s": sum(r[2] for r in results) / wall}
+    ttfts = sorted(a["ttft_s"] for a in answers)
+    return {"policy": policy, "clients": clients, "wall_s": round(wall, 3),
+            "tokens_per_s": round(sum(a["tokens"] for a in answers) / wall, 3),
+            "request_tokens_per_s": round(statistics.median(a["tokens"] / a["latency_s"] for a in answers), 3),
+            "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
+            "ttft_p95_ms": round(1000 * ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))], 1),
+            "answers": answers}
+
+
+def serve_runs(args, questions: list[str], parallel: int) -> list[dict]:
+    proc, url = start_server(args, parallel)
+    try:
+        for policy in args.policies:  # warm-up: first-request costs
+            one(url, questions[0], policy, 8)
+        rows = []
+        for policy in args.policies:
+            for c in args.clients:
+                row = {"parallel": parallel, **run(url, questions, policy, c, args.max_tokens)}
+                print(f"parallel {parallel} {policy} x{c}: {row['tokens_per_s']:.2f} tok/s", file=sys.stderr)
+                rows.append(row)
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def judge(args, questions: list[str], rows: list[dict]) -> dict:
+    """The parent's own answer to each question (one token per call), then a verdict on every served answer."""
+    from specquant_cli.decoding.engine import Engine
+    from specquant_cli.decoding.stream import generate_text
+    from specquant_cli.family.manifest import Family
+    from specquant_cli.names import PARENT_ROLE
+    from specquant_cli.runtime import Runtime
+
+    rt = Runtime(Family.load(args.family))
+    try:
+        ctx = rt.context(PARENT_ROLE)
+        noise = fidelity.measure_noise(ctx, 4, 8)
+        prompts = [ctx.model.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+        reference = []
+        for p in prompts:
+            ctx.reset()
+            reference.append(generate_text(Engine(ctx), p, args.max_tokens)[1])
+        for row in rows:
+            for i, a in enumerate(row["answers"]):
+                a["fidelity"] = fidelity.classify_text(ctx, prompts[i], reference[i], a["text"], noise.bound)
+            verdicts = [a["fidelity"]["verdict"] for a in row["answers"]]
+            row["fidelity"] = {v: verdicts.count(v) for v in (fidelity.IDENTICAL, fidelity.NEAR_TIE,
+                                                              fidelity.UNEXPLAINED)}
+        return noise.to_dict()
+    finally:
+        rt.close()
+
+
+def markdown(report: dict) -> str:
+    base = {(r["policy"], r["clients"]): r["tokens_per_s"] for r in report["runs"] if r["parallel"] == 1}
+    out = [f"`{report['command']}`", "", f"{report['machine']}; prompts: {report['prompts']}", "",
+           "| --parallel | policy | clients | aggregate tok/s | vs --parallel 1 | per-request tok/s | TTFT p50 (ms) "
+           "| TTFT p95 (ms) | identical / near-tie / unexplained |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        ref = base.get((r["policy"], r["clients"]))
+        f = r.get("fidelity", {})
+        out.append(f"| {r['parallel']} | {r['policy']} | {r['clients']} | {r['tokens_per_s']:.2f} | "
+                   f"{r['tokens_per_s'] / ref:.2f}x | " if ref else f"| {r['parallel']} | {r['policy']} | "
+                   f"{r['clients']} | {r['tokens_per_s']:.2f} | – | ")
+        out[-1] += (f"{r['request_tokens_per_s']:.2f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | "
+                    f"{f.get('identical', '–')} / {f.get('near-tie', '–')} / {f.get('unexplained', '–')} |")
+    n = report.get("noise")
+    if n:
+        out += ["", f"Batch-vs-single noise of the parent's top-2 margin: max {n['max_margin_diff']:.4g}, near-tie "
+                    f"bound {n['bound']:.4g} (x{n['safety_factor']})."]
+    return "\n".join(out) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for key in sorted({(r["parallel"], r["policy"]) for r in report["runs"]}):
+        pts = [(r["clients"], r["tokens_per_s"]) for r in report["runs"] if (r["parallel"], r["policy"]) == key]
+        ax.plot(*zip(*pts), marker="o", label=f"--parallel {key[0]}, {key[1]}")
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title(f"specquant serve, {Path(report['family']).name}, {report['max_tokens']} tokens")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def machine() -> str:
+    import os
+    import platform
+
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
+        platform.processor()
+    return f"{model}, {os.cpu_count()} logical cores"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--family", default=str(REPO / "models" / "smollm2-135m"))
-    ap.add_argument("--policy", default="parent")
-    ap.add_argument("--clients", default="1,8", help="comma-separated client counts")
-    ap.add_argument("--requests", type=int, default=16, help="requests per client count")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0: the server's default)")
-    ap.add_argument("--url", help="an already running server (no API key) instead of starting one")
-    ap.add_argument("--verbose", action="store_true", help="the server's log on stderr")
+    ap.add_argument("--family", default=str(REPO / "models" / "qwen2.5-coder-1.5b"))
+    ap.add_argument("--parallel", default="1,8", help="comma-separated --parallel values (one server each)")
+    ap.add_argument("--policies", default="parent,auto")
+    ap.add_argument("--clients", default="1,2,4,8", help="comma-separated client counts")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dataset", default=str(SPEC_BENCH))
+    ap.add_argument("--categories", default=CATEGORIES)
+    ap.add_argument("--json-file", type=Path)
+    ap.add_argument("--markdown", type=Path)
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--verbose", action="store_true", help="the servers' logs on stderr")
     args = ap.parse_args()
-
-    proc = None
-    url = args.url
-    if url is None:
-        proc, url = start_server(args)
-    try:
-        for _ in range(2):  # warm-up: first-request costs and the prefix cache
-            one(url, args.max_tokens)
-        rows = [run(url, int(c), args.requests, args.max_tokens) for c in args.clients.split(",")]
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
-    print(f"policy {args.policy}, prompt {PROMPT!r}, max_tokens {args.max_tokens}, "
-          f"threads {args.threads or 'default'}, {os.cpu_count()} CPUs\n")
-    print("| clients | requests | req/s | TTFT p50 (ms) | TTFT max (ms) | latency p50 (ms) | tokens/req | tok/s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['clients']} | {r['requests']} | {r['req_per_s']:.2f} | {r['ttft_p50_ms']:.0f} | "
-              f"{r['ttft_max_ms']:.0f} | {r['latency_p50_ms']:.0f} | {r['tokens_per_request']:.0f} | "
-              f"{r['tokens_per_s']:.1f} |")
+    args.policies = [p for p in args.policies.split(",") if p]
+    args.clients = [int(c) for c in args.clients.split(",")]
+    items = load([Path(args.dataset)], args.categories.split(","), limit=1)
+    questions = [it.prompt for it in items]
+    if len(questions) < max(args.clients):
+        sys.exit(f"bench_serve: {len(questions)} questions for up to {max(args.clients)} clients")
+    rows = [r for p in args.parallel.split(",") for r in serve_runs(args, questions, int(p))]
+    noise = judge(args, questions, rows)
+    report = {"command": "python " + " ".join(sys.argv), "machine": machine(),
+              "family": args.family, "max_tokens": args.max_tokens,
+              "prompts": ", ".join(f"{it.category} {it.id}" for it in items[:max(args.clients)]),
+              "noise": noise, "runs": rows}
+    md = markdown(report)
+    sys.stdout.write(md)
+    if args.json_file:
+        args.json_file.write_text(json.dumps(report, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(md)
+    if args.plot:
+        plot(report, args.plot)
+    bad = sum(r["fidelity"]["unexplained"] for r in rows)
+    if bad:
+        print(f"bench_serve: {bad} unexplained divergence(s) from the parent's answers", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,16 @@ ADAPTIVE_G_MAX = 8  # the adaptive controller's longest model draft
 
 class Runtime:
     def __init__(self, family: Family, n_ctx: int = 4096, gamma: int = DEFAULT_GAMMA, threads: Optional[int] = None,
-                 p_min: Optional[float] = None, facts=None, kv_import: bool = True, rpc: Optional[list[str]] = None):
+                 p_min: Optional[float] = None, facts=None, kv_import: bool = True, rpc: Optional[list[str]] = None,
+                 parallel: int = 1):
+        """`parallel`: sequences every context holds (serving.slots gives each concurrent request one), each
+        with `n_ctx` positions of its own."""
         from specquant_cli.system import rpc as rpc_mod
 
         self.family = family
         self.rpc = list(rpc) if rpc is not None else rpc_mod.configured()  # the parent's RPC workers, if any
         self.n_ctx = n_ctx
+        self.parallel = max(1, parallel)
         self.gamma = gamma
         self.threads = threads
         self.p_min = p_min
@@ -74,7 +78,8 @@ class Runtime:
                 model = Model(self.family.path(role), n_gpu_layers=placement.gpu_layers.get(role, 0))
             if self._ctx:  # every model of a session must speak the same vocabulary
                 check_same_vocab(next(iter(self._ctx.values())).model, model)
-            self._ctx[role] = Context(model, self.n_ctx, n_threads=self.threads)
+            self._ctx[role] = Context(model, self.n_ctx * self.parallel, n_threads=self.threads,
+                                      n_seq_max=self.parallel)
             if self.rpc and role == PARENT_ROLE:
                 from specquant_cli.system import rpc
 
@@ -90,12 +95,12 @@ class Runtime:
 
             if PARENT_ROLE not in self._ctx:
                 self._workers = rpc.probe_all(self.rpc)
-                rpc.require_remote_fit(self._workers, need(self.family, PARENT_ROLE, self.n_ctx).total,
+                rpc.require_remote_fit(self._workers, need(self.family, PARENT_ROLE, self.n_ctx * self.parallel).total,
                                        f"the parent ({PARENT_ROLE})")
             roles = [r for r in roles if r != PARENT_ROLE]
             if not roles:
                 return Placement("rpc")
-        return require_fit(self.facts, self.family, roles, self.n_ctx)
+        return require_fit(self.facts, self.family, roles, self.n_ctx * self.parallel)
 
     def _remote_parent(self) -> Model:
         """The parent with every layer on the RPC workers, split by their free memory (probed by _require_fit)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from specquant_cli.decoding.sampling import SamplingParams
@@ -45,6 +45,10 @@ class ChatSession:
     stop: Sequence[str] = ()
     history: list[dict] = field(default_factory=list)
     last: Optional[Answer] = None
+
+    def for_runtime(self, runtime: Runtime, router) -> ChatSession:
+        """This session's settings over another runtime and router (a serving slot's), with no history."""
+        return replace(self, runtime=runtime, router=router, history=[], last=None)
 
     def set_policy(self, name: str) -> None:
         self.policy = check_policy(name)

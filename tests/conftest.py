@@ -67,6 +67,29 @@ def models(family):
     return {role: Model(family.path(role)) for role in ("f16", "q8", "q4")}
 
 
+@pytest.fixture(scope="session")
+def parent_judge(models):
+    """verdict(prompt, text, max_tokens): a served greedy answer against the parent's own (one token per call):
+    identical, a proven near-tie (bench.fidelity: the parent's top two within the measured batch-vs-single
+    noise where they part) or unexplained. Answers of requests decoded together may differ at a near-tie."""
+    from specquant_cli.backend.llama import Context
+    from specquant_cli.bench import fidelity
+    from specquant_cli.decoding.engine import Engine
+    from specquant_cli.decoding.stream import generate_text
+
+    ctx = Context(models["f16"], 1024)
+    bound = fidelity.measure_noise(ctx, 4, 8).bound
+
+    def verdict(prompt: str, text: str, max_tokens: int) -> str:
+        p = ctx.model.chat_prompt([{"role": "user", "content": prompt}])
+        ctx.reset()
+        ref = generate_text(Engine(ctx), p, max_tokens)[1]
+        return fidelity.classify_text(ctx, p, ref, text, bound)["verdict"]
+
+    yield verdict
+    ctx.close()
+
+
 def run_cli(args, input=None, env=None):
     from typer.testing import CliRunner
 

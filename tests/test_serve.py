@@ -93,7 +93,8 @@ def server(family_dir):
 
 @pytest.fixture(scope="module")
 def busy_server(family_dir):
-    s = ServerProc(["--family", str(family_dir), "--queue", "1", "--policy", "parent", "--policies", "parent"],
+    s = ServerProc(["--family", str(family_dir), "--queue", "1", "--parallel", "1", "--policy", "parent",
+                    "--policies", "parent"],
                    env={"SPECQUANT_API_KEY": KEY})
     yield s
     s.stop()
@@ -207,12 +208,13 @@ def test_policy_from_header_or_body(server):
 
 
 @pytest.mark.slow
-def test_eight_concurrent_clients_all_get_complete_correct_answers(server):
+def test_eight_concurrent_clients_all_get_complete_correct_answers(server, parent_judge):
     expected = [ask(server.client(), p) for p in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         got = list(pool.map(lambda p: ask(server.client(), p), PROMPTS))
-    assert got == expected
-    assert all(expected)
+    assert all(expected) and all(got)
+    # decoded together (the default --parallel), an answer may part from its answer alone only at a near-tie
+    assert [p for p, a, b in zip(PROMPTS, got, expected) if a != b and parent_judge(p, a, N) == "unexplained"] == []
 
 
 # -- refusals and errors ----------------------------------------------------------------------------

@@ -350,7 +350,7 @@ class Context(PrefixCache):
     `tokens` always equals what the KV cache holds, position by position."""
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 512, n_threads: Optional[int] = None,
-                 n_seq_max: int = 1, eval_callback=None):
+                 n_seq_max: int = 1, eval_callback=None, kv_unified: bool = False):
         """eval_callback: a `ggml_backend_sched_eval_callback` (llama.cpp's `cb_eval`), called for graph nodes
         as they are computed (family.imatrix collects activation statistics through it); kept alive here."""
         import llama_cpp
@@ -362,6 +362,7 @@ class Context(PrefixCache):
         params.n_batch = n_batch
         params.n_ubatch = n_batch
         params.n_seq_max = n_seq_max
+        params.kv_unified = kv_unified
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
@@ -449,27 +450,33 @@ class Context(PrefixCache):
         del self.tokens[n:]
 
     # -- state transfer between sibling contexts ------------------------------------------------
-    def export_state(self) -> tuple[ctypes.Array, int]:
-        """Sequence 0's KV cache as llama.cpp serializes it (`llama_state_seq_get_data`): (buffer, bytes)."""
+    def export_state(self, seq: int = 0) -> tuple[ctypes.Array, int]:
+        """One sequence's KV cache as llama.cpp serializes it (`llama_state_seq_get_data`): (buffer, bytes)."""
         import llama_cpp
 
-        size = llama_cpp.llama_state_seq_get_size(self._ptr, 0)
+        size = llama_cpp.llama_state_seq_get_size(self._ptr, seq)
         buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(self._ptr, buf, size, 0)
+        n = llama_cpp.llama_state_seq_get_data(self._ptr, buf, size, seq)
         if n == 0:
             raise LlamaError("llama.cpp could not export the sequence state")
         return buf, n
 
-    def import_state(self, state: tuple[ctypes.Array, int], tokens: Sequence[int]) -> bool:
-        """Load a sibling's sequence state in place of this context's sequence 0, which then holds `tokens`.
-        False when llama.cpp refuses it (another architecture, KV types or layout); the cache is then empty."""
+    def load_state(self, state: tuple[ctypes.Array, int], seq: int) -> bool:
+        """Load a serialized sequence state into sequence `seq` (which must be empty); False when llama.cpp
+        refuses it (another architecture, KV types or layout), the sequence then left empty."""
         import llama_cpp
 
-        self.rewind(0)
         buf, size = state
-        n = llama_cpp.llama_state_seq_set_data(self._ptr, buf, size, 0)
-        if n == 0:
-            self.remove(0, 0, -1)
+        if llama_cpp.llama_state_seq_set_data(self._ptr, buf, size, seq) == 0:
+            self.remove(seq, 0, -1)
+            return False
+        return True
+
+    def import_state(self, state: tuple[ctypes.Array, int], tokens: Sequence[int]) -> bool:
+        """Load a sibling's sequence state in place of this context's sequence 0, which then holds `tokens`.
+        False when llama.cpp refuses it; the cache is then empty."""
+        self.rewind(0)
+        if not self.load_state(state, 0):
             return False
         self.tokens = list(tokens)
         return True

@@ -11,7 +11,8 @@ API_KEY_ENV = "SPECQUANT_API_KEY"
 
 HELP = ("Serve a family over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models, "
         "/health.\n\n"
-        "One engine: requests are generated one at a time from a bounded queue (a full queue answers 429). The "
+        "Concurrent requests decode together (--parallel): each in its own sequence, with its own plan, and every "
+        "parent call shared by all that need one; the rest wait in a bounded queue (a full queue answers 429). The "
         "policy per request comes from the body's specquant_policy or the x-specquant-policy header, else --policy. "
         "Binds to 127.0.0.1 unless --host says otherwise; with --api-key (or $SPECQUANT_API_KEY) every /v1 request "
         "needs Authorization: Bearer KEY (GET /health and the chat page at / do not). One log line per request on "
@@ -32,7 +33,11 @@ def serve(
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port (0: any free port, printed at start)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True,
                                           help="Require Authorization: Bearer KEY on every /v1 request"),
-    queue: int = typer.Option(32, "--queue", min=0, help="Requests that may wait behind the running one"),
+    parallel: Optional[int] = typer.Option(
+        None, "--parallel", min=1, max=8,
+        help="Requests decoded together (default: as many as this machine's calibrated parent cost curve says "
+             "pay, at most 8; 1: one at a time). Each holds --ctx positions of its own"),
+    queue: int = typer.Option(32, "--queue", min=0, help="Requests that may wait behind the running ones"),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1,
                                    help="New tokens for a request that sets no max_tokens"),
     max_body: int = typer.Option(1 << 20, "--max-body", min=1024, help="Largest request body in bytes (413 above)"),
@@ -47,6 +52,6 @@ def serve(
 
     offered = [p.strip() for p in policies.split(",") if p.strip()] if policies else []
     opts = ServeOptions(policy=policy, policies=offered, host=host, port=port, api_key=api_key or None,
-                        max_queue=queue, max_tokens=max_tokens, max_body=max_body)
+                        max_queue=queue, max_tokens=max_tokens, max_body=max_body, parallel=parallel)
     svc = build_service(load_family(family), opts, n_ctx=n_ctx, gamma=gamma, threads=threads, router_config=config)
     run(svc, opts)

@@ -26,6 +26,7 @@ DRAFT_RATIO_PRIOR = {"q4": 0.4, "q8": 0.7}  # a draft step relative to a one-tok
 # one-token costs per call, measured on Spec-Bench summarization); the rest runs at the parent's pace, or
 # at a model draft's when one fills in between copy runs.
 COPY_GAIN = 2.5
+COPY_SCORED = 5  # tokens per parent call behind COPY_GAIN (3.3-3.6 kept + the parent's own + a miss)
 LEARN_RATE = 0.3  # weight of one measured answer in the session's estimate
 MAX_GAMMA = 8
 # A model draft must be predicted this much above the parent to run: the cost model uses the fastest of
@@ -90,6 +91,16 @@ def _model_speedup(alpha: float, draft_cost, verify_cost, per_cycle=None) -> tup
     return best, best_g
 
 
+def copy_gain(calibration) -> float:
+    """COPY_GAIN for one of `calibration.batch` sequences decoding together: a suffix draft's extra tokens
+    cost as much more as a call of COPY_SCORED tokens per sequence costs more in the batch than alone (at 8
+    sequences on a CPU a call is no longer nearly flat in its tokens, so copying pays far less)."""
+    single = getattr(calibration, "single", None)
+    if single is None:
+        return COPY_GAIN
+    return COPY_GAIN * min(1.0, single.verify_cost(COPY_SCORED) / calibration.verify_cost(COPY_SCORED))
+
+
 def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
                state: Optional[AutoState] = None) -> list[Candidate]:
     """Every plan's predicted decode speedup, best first: the parent, suffix drafts, each model draft the
@@ -99,7 +110,7 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
 
     vc = calibration.verify_cost if calibration else verify_shape
     out = [Candidate("parent", None, 1.0, 0, "the floor: F16 alone")]
-    suffix = 1.0 / (copy / COPY_GAIN + (1.0 - copy))
+    suffix = 1.0 / (copy / copy_gain(calibration) + (1.0 - copy))
     out.append(Candidate("suffix", "suffix", suffix, 32, f"draft-free, nothing lost when nothing matches: copy "
                                                        f"potential {copy:.2f}"))
     measured = calibration.draft_step_s if calibration else {}

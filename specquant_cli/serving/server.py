@@ -21,6 +21,7 @@ from specquant_cli.family.manifest import MANIFEST
 from specquant_cli.names import PARENT_ROLE
 from specquant_cli.routing.policies import POLICIES, all_roles, check_policy, policy_spec
 from specquant_cli.serving.schemas import ApiError, GenerationParams
+from specquant_cli.serving.slots import MAX_PARALLEL, LockedRouter, Slots, parallel_for
 from specquant_cli.serving.worker import EngineWorker
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -38,6 +39,7 @@ class ServeOptions:
     port: int = 8080
     api_key: Optional[str] = None
     max_queue: int = 32
+    parallel: Optional[int] = None  # requests decoded together; None: what the calibrated cost curve says pays
     max_tokens: int = 512  # for requests that give none (clamped to what the context has left)
     max_body: int = 1 << 20
 
@@ -46,16 +48,21 @@ class Service:
     """What the routes need: the family, the session (used by the worker thread only), the worker, the
     policies on offer and the request limits."""
 
-    def __init__(self, family, runtime, session, opts: ServeOptions):
+    def __init__(self, family, runtime, session, opts: ServeOptions, slots=None):
         self.family = family
         self.runtime = runtime
         self.session = session
+        self.slots = slots  # serving.slots.Slots when requests decode together, else None
+        self.sessions = [session] if slots is None else \
+            [session.for_runtime(rt, LockedRouter(session.router, slots.route_lock())) for rt in slots.runtimes]
         self.default_policy = opts.policy
         self.policies = opts.policies or list(POLICIES)
         self.api_key = opts.api_key or None
         self.max_tokens = opts.max_tokens
         self.max_body = opts.max_body
-        self.worker = EngineWorker(self.generate, opts.max_queue)
+        self.worker = EngineWorker(self.generate, opts.max_queue, parallel=len(self.sessions))
+        if slots is not None:
+            slots.in_flight = self.worker.in_flight
         self.parent_tokens_per_s = parent_rate(runtime)  # read once: the runtime belongs to the worker thread
         self.bound_port: Optional[int] = None  # the port uvicorn listens on, once it does
         self.exiting = threading.Event()  # set on SIGINT/SIGTERM: no restart after that
@@ -111,16 +118,19 @@ class Service:
                               "default_policy": self.default_policy, "provenance": fam.provenance,
                               "parent_tokens_per_s": self.parent_tokens_per_s}}
 
-    def generate(self, params: GenerationParams):
-        """On the worker thread: route, plan and return (answer, records) for one request."""
+    def generate(self, params: GenerationParams, slot: int = 0):
+        """On slot `slot`'s thread: route, plan and return (answer, records) for one request."""
+        session = self.sessions[slot]
         limit = params.max_tokens
         if limit is None:  # OpenAI's "as long as the context allows", bounded by the server's default
             model = self.runtime.tokenizer()
             n_prompt = len(model.chat_prompt(params.messages)) if params.messages is not None else \
                 len(model.tokenize(params.prompt, add_bos=model.add_bos()))
             limit = max(1, min(self.max_tokens, self.runtime.n_ctx - n_prompt))
-        return self.session.ask_messages(params.messages or [], policy=params.policy, sampling=params.sampling,
-                                         max_tokens=limit, stop=params.stop, raw_prompt=params.prompt)
+        answer, records = session.ask_messages(params.messages or [], policy=params.policy,
+                                               sampling=params.sampling, max_tokens=limit, stop=params.stop,
+                                               raw_prompt=params.prompt)
+        return answer, records if self.slots is None else self.slots.member(records)
 
 
 def with_port(args: list[str], port: int) -> list[str]:
@@ -161,7 +171,8 @@ def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: O
                           if f"spec-{r}" not in opts.policies]  # roles made by quantize --grade --role NAME
     if opts.policies and opts.policy not in opts.policies:
         raise InputError(f"--policy {opts.policy} must be one of --policies ({', '.join(opts.policies)})")
-    runtime = Runtime(family, n_ctx=n_ctx, gamma=gamma, threads=threads)
+    runtime = Runtime(family, n_ctx=n_ctx, gamma=gamma, threads=threads,
+                      parallel=MAX_PARALLEL if opts.parallel is None else opts.parallel)
     try:
         roles = all_roles([opts.policy, *(opts.policies or POLICIES)])
         try:
@@ -176,7 +187,8 @@ def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: O
             session.plan(WARM_UP_TEXT, name)
         if any(policy_spec(p).planner is not None for p in [opts.policy, *opts.policies]):
             runtime.load_planner_drafts()  # the drafts auto may pick (recipe roles too), not during a request
-        return Service(family, runtime, session, opts)
+        opts.parallel = parallel_for(runtime, opts.parallel)
+        return Service(family, runtime, session, opts, Slots(runtime, opts.parallel) if opts.parallel > 1 else None)
     except BaseException:
         runtime.close()
         raise
@@ -221,7 +233,8 @@ class _Server(uvicorn.Server):
             self._svc.bound_port = port
             shown = f"[{host}]" if ":" in host else host
             self._say(f"specquant serve: listening on http://{shown}:{port} (family {self._svc.family.name}, "
-                      f"policy {self._svc.default_policy}, queue {self._opts.max_queue}, "
+                      f"policy {self._svc.default_policy}, {self._opts.parallel} at once, "
+                      f"queue {self._opts.max_queue}, "
                       f"{'API key required' if self._svc.api_key else 'no API key'})")
 
     def handle_exit(self, sig: int, frame) -> None:

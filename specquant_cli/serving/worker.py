@@ -1,7 +1,8 @@
-"""One engine, one thread: the queued generations run one at a time, each as a stream of items.
+"""The generation threads: `parallel` of them, one per slot; queued generations wait for a free slot, each
+runs as a stream of items.
 
 A request becomes a `Job`; `EngineWorker.submit` admits it while fewer than `max_queue` jobs wait behind
-the running one (else 429). The worker thread iterates the job's record stream and hands each record to the
+the running ones (else 429). A slot's thread iterates the job's record stream and hands each record to the
 request's event loop; between two records it looks at the job's cancel flag, and a cancelled job has its
 record iterator closed at once (which stops the engine and leaves its caches consistent). A job yields:
 
@@ -68,35 +69,44 @@ class Job:
 
 
 class EngineWorker:
-    """The single generation thread and its bounded queue.
+    """The generation threads (one per slot) and their bounded queue.
 
     Args:
-        run: called on the worker thread with a job's params; returns (answer, records) where generation
-            happens as `records` is iterated (`ChatSession.ask_messages`).
-        max_queue: jobs allowed to wait behind the running one; a request beyond that gets 429."""
+        run: called on a slot's thread with a job's params and the slot's index; returns (answer, records)
+            where generation happens as `records` is iterated (`ChatSession.ask_messages`).
+        max_queue: jobs allowed to wait behind the running ones; a request beyond that gets 429.
+        parallel: slots, i.e. jobs generating at once."""
 
-    def __init__(self, run: Callable[[GenerationParams], tuple[Any, Iterator[Any]]], max_queue: int):
+    def __init__(self, run: Callable[[GenerationParams, int], tuple[Any, Iterator[Any]]], max_queue: int,
+                 parallel: int = 1):
         self._run = run
         self.max_queue = max_queue
+        self.parallel = parallel
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._running: Optional[Job] = None
+        self._running: set[Job] = set()
         self._stopping: Optional[ApiError] = None
-        self._thread = threading.Thread(target=self._loop, name="specquant-engine", daemon=True)
+        self._threads = [threading.Thread(target=self._loop, args=(i,), name=f"specquant-engine-{i}", daemon=True)
+                         for i in range(parallel)]
         self._mean_s: Optional[float] = None
         self.lost: Optional[str] = None  # why the engine is gone for good (a lost RPC worker), else None
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
 
     # -- the request side (event loop) ---------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
+
+    def in_flight(self) -> int:
+        """Jobs generating now plus those waiting for a slot (what a newly planned job will share calls with)."""
+        return len(self._running) + len(self._waiting)
 
     def submit(self, job: Job) -> None:
         """Admit `job` or raise ApiError 429 (queue full, with Retry-After) or 503 (shutting down)."""
         with self._cond:
             if self._stopping is not None:
                 raise self._stopping
-            busy = self._running is not None or self._waiting
+            busy = len(self._running) >= self.parallel or self._waiting
             if busy and len(self._waiting) >= self.max_queue:
                 wait = self._retry_after()
                 raise ApiError(429, f"the engine is busy and {len(self._waiting)} request(s) are queued "
@@ -106,7 +116,7 @@ class EngineWorker:
             self._cond.notify()
 
     def cancel(self, job: Job, reason: ApiError) -> None:
-        """Stop `job`: a waiting job leaves the queue now, the running one stops after the current cycle.
+        """Stop `job`: a waiting job leaves the queue now, a running one stops after its current cycle.
         A finished job is left alone."""
         with self._cond:
             if job.done:
@@ -120,7 +130,7 @@ class EngineWorker:
         job.cancel(reason)
 
     def stop(self, reason: Optional[ApiError] = None) -> None:
-        """Refuse new jobs, fail the waiting ones, stop the running one; the thread then ends."""
+        """Refuse new jobs, fail the waiting ones, stop the running ones; the threads then end."""
         with self._cond:
             if self._stopping is None:
                 self._stopping = reason or shutting_down()
@@ -129,19 +139,19 @@ class EngineWorker:
                 job.done = True
                 job.put("error", reason)
             self._waiting.clear()
-            if self._running is not None:
-                self._running.cancel(reason)
+            for job in self._running:
+                job.cancel(reason)
             self._cond.notify_all()
 
     def lose_engine(self, reason: ApiError) -> None:
-        """From any thread: the engine is gone for good and its thread will not come back (ggml-rpc lost a worker
-        mid-graph: system.rpc parks that thread). The running job ends with `reason` now, as do the waiting
-        ones and every later request; the server stays up to say so."""
+        """From any thread: the engine is gone for good and its threads will not come back (ggml-rpc lost a
+        worker mid-graph: system.rpc parks that thread). The running jobs end with `reason` now, as do the
+        waiting ones and every later request; the server stays up to say so."""
         with self._cond:
             self.lost = str(reason)
-            running, self._running = self._running, None
+            running, self._running = self._running, set()
             self._stopping = reason
-            for job in [*self._waiting, *([running] if running is not None else [])]:
+            for job in [*self._waiting, *running]:
                 if not job.done:
                     job.done = True
                     job.put("error", reason)
@@ -154,44 +164,48 @@ class EngineWorker:
         return self._stopping is not None
 
     def join(self, timeout: Optional[float] = None) -> None:
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout)
 
     def status(self) -> dict:
         with self._cond:
-            return {"busy": self._running is not None, "queued": len(self._waiting), "max_queue": self.max_queue,
+            return {"busy": len(self._running) >= self.parallel, "running": len(self._running),
+                    "parallel": self.parallel, "queued": len(self._waiting), "max_queue": self.max_queue,
                     **self.counts}
 
     def _retry_after(self) -> int:
         per_job = self._mean_s if self._mean_s is not None else 1.0
-        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(per_job * (len(self._waiting) + 1))))
+        rounds = math.ceil((len(self._waiting) + 1) / self.parallel)
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(per_job * rounds)))
 
     # -- the worker thread --------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, slot: int) -> None:
         while True:
             with self._cond:
                 while not self._waiting and self._stopping is None:
                     self._cond.wait()
                 if not self._waiting:  # stopping, nothing left
                     return
-                job = self._running = self._waiting.popleft()
+                job = self._waiting.popleft()
+                self._running.add(job)
             t0 = time.perf_counter()
             outcome = "failed"
             try:
-                outcome = self._execute(job)
+                outcome = self._execute(job, slot)
             finally:
                 with self._cond:
-                    self._running = None
+                    self._running.discard(job)
                     job.done = True
                     self.counts[outcome] += 1
                     took = time.perf_counter() - t0
                     self._mean_s = took if self._mean_s is None else \
                         (1 - EWMA_WEIGHT) * self._mean_s + EWMA_WEIGHT * took
 
-    def _execute(self, job: Job) -> str:
+    def _execute(self, job: Job, slot: int) -> str:
         """Run one job to its end; returns which counter it adds to: served, cancelled or failed."""
         try:
-            answer, records = self._run(job.params)
+            answer, records = self._run(job.params, slot)
             job.put("start", answer)
             last = None
             try:

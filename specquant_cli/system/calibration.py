@@ -14,7 +14,7 @@ import re
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -113,6 +113,25 @@ class Calibration:
         e = self.tokens_per_cycle.get(role)
         p_full = (e[g - 1] - (e[g - 2] if g > 1 else 1.0)) if e and len(e) >= g else 0.5
         return (p_full * pair + (1 - p_full) * step + (g - 1) * step) / self.parent_call_s[1]
+
+    batch = 1  # sequences decoding together that the figures are per-sequence shares of (for_batch)
+    single: Optional[Calibration] = None  # for a batch view: the costs of one sequence alone
+
+    def call_s(self, n: int) -> float:
+        """Seconds of a parent call on n tokens (linear beyond the measured sizes)."""
+        return self.verify_cost(n) * self.parent_call_s[1]
+
+    def for_batch(self, b: int) -> Calibration:
+        """The costs one of `b` sequences decoding together sees: a call with n tokens for each costs
+        call(b * n), shared b ways; draft steps are taken to scale as the parent's step does. b = 1: self."""
+        if b <= 1:
+            return self
+        scale = self.call_s(b) / b / self.parent_call_s[1]
+        view = replace(self, parent_call_s={n: self.call_s(b * n) / b for n in self.parent_call_s},
+                       draft_step_s={r: s * scale for r, s in self.draft_step_s.items()},
+                       draft_pair_s={r: s * scale for r, s in self.draft_pair_s.items()})
+        view.batch, view.single = b, self
+        return view
 
     def to_dict(self) -> dict:
         return asdict(self)

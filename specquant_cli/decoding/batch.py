@@ -1,0 +1,232 @@
+"""Several requests decoding together: one llama.cpp context per model, one sequence id per request, and
+each parent call shared by every request that needs one.
+
+Each request runs on its own thread with its own engine, exactly as it would alone; only its contexts
+differ: a `SeqView` is one sequence of a shared context. A view's `decode` does not call llama.cpp itself.
+It hands its tokens to the `Batcher`, which waits until every active request is waiting on a call (or
+`MAX_WAIT_S` has passed), then runs all the waiting calls as one `llama_decode` per context (split at the
+context's batch size) and hands each caller a copy of its logits rows. N requests verifying their drafts
+thus cost one parent call on all their tokens — on a CPU, 8 tokens cost ~1.6x one token, not 8x.
+
+Every other llama.cpp call on a shared context (removing positions, state export and import) holds
+`Batcher.ops`, which a round holds too, so no two threads ever touch a context at once."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from specquant_cli.backend.llama import Context, PrefixCache
+from specquant_cli.errors import InputError, LlamaError
+from specquant_cli.names import LogitsMode
+
+# A round starts once every active request waits on one; a request that is busy longer than this (planning
+# a long prompt, a KV import) does not hold the others back: the round runs without it.
+MAX_WAIT_S = 0.05
+
+
+@dataclass
+class Call:
+    """One view's decode: its tokens, their positions, and which rows want logits."""
+
+    ctx: Context
+    seq: int
+    tokens: list[int]
+    positions: list[int]
+    rows: list[int]
+    out: dict[int, np.ndarray] = field(default_factory=dict)
+    error: Optional[BaseException] = None
+    done: bool = False
+
+
+@dataclass
+class BatchStats:
+    rounds: int = 0  # rounds run (one or more llama_decode calls each: one per context and n_batch chunk)
+    calls: int = 0  # view decodes served
+    tokens: int = 0
+    widest: int = 0  # most view decodes in one round
+
+
+class Batcher:
+    """The rendezvous of the requests decoding together. Requests `join` while they generate (`member`)."""
+
+    def __init__(self, max_wait_s: float = MAX_WAIT_S):
+        self.max_wait_s = max_wait_s
+        self.ops = threading.RLock()  # held by every llama.cpp call on a shared context
+        self.stats = BatchStats()
+        self._cond = threading.Condition()
+        self._active = 0
+        self._pending: list[Call] = []
+        self._running = False
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    @contextlib.contextmanager
+    def member(self) -> Iterator[None]:
+        """While the block runs, rounds wait for this thread's calls (up to `max_wait_s`)."""
+        with self._cond:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()  # the others may be the only ones left: a round may be due
+
+    def decode(self, call: Call) -> Call:
+        """Queue `call`, take part in the round that runs it, and return it with its logits rows (or raise
+        what its llama_decode raised)."""
+        with self._cond:
+            self._pending.append(call)
+            self._cond.notify_all()
+            since = time.monotonic()
+            batch = None
+            while not call.done:
+                if self._due(since):
+                    batch, self._pending, self._running = self._pending, [], True
+                    break
+                self._cond.wait(self.max_wait_s)
+        if batch is not None:
+            try:
+                self._run(batch)
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+        if call.error is not None:
+            raise call.error
+        return call
+
+    def _due(self, since: float) -> bool:
+        if self._running or not self._pending:
+            return False
+        return len(self._pending) >= self._active or time.monotonic() - since >= self.max_wait_s
+
+    def _run(self, batch: list[Call]) -> None:
+        st = self.stats
+        st.rounds += 1
+        st.widest = max(st.widest, len(batch))
+        with self.ops:
+            try:
+                by_ctx: dict[int, list[Call]] = {}
+                for c in batch:
+                    by_ctx.setdefault(id(c.ctx), []).append(c)
+                for calls in by_ctx.values():
+                    for chunk in _chunks(calls, calls[0].ctx.n_batch):
+                        _decode_chunk(chunk)
+                        st.calls += len(chunk)
+                        st.tokens += sum(len(c.tokens) for c in chunk)
+            except BaseException as e:  # the calls not yet run fail with it too; nobody waits forever
+                for c in batch:
+                    if not c.done:
+                        c.error, c.done = e, True
+                raise
+
+
+def _chunks(calls: list[Call], n_batch: int) -> Iterator[list[Call]]:
+    """Whole calls packed into batches of at most n_batch tokens (a view never sends more than n_batch)."""
+    chunk, n = [], 0
+    for c in calls:
+        if chunk and n + len(c.tokens) > n_batch:
+            yield chunk
+            chunk, n = [], 0
+        chunk.append(c)
+        n += len(c.tokens)
+    if chunk:
+        yield chunk
+
+
+def _decode_chunk(chunk: list[Call]) -> None:
+    ctx = chunk[0].ctx
+    tokens, positions, seqs, rows, offsets = [], [], [], [], []
+    for c in chunk:
+        offsets.append(len(tokens))
+        rows += [len(tokens) + r for r in c.rows]
+        tokens += c.tokens
+        positions += c.positions
+        seqs += [(c.seq,)] * len(c.tokens)
+    try:
+        ctx.decode_at(tokens, positions, seqs, rows)
+    except LlamaError as e:
+        for c in chunk:  # what llama.cpp may have stored of a failed batch is dropped again
+            ctx.remove(c.seq, c.positions[0], -1)
+        if len(chunk) > 1:  # one request's bad call must not fail the others: each alone, once
+            for c in chunk:
+                _decode_chunk([c])
+        else:
+            chunk[0].error, chunk[0].done = e, True
+        return
+    for c, off in zip(chunk, offsets):
+        c.out = {r: np.array(ctx.logits(off + r)) for r in c.rows}  # copies: the next round overwrites them
+        c.done = True
+
+
+class SeqView(PrefixCache):
+    """One sequence of a shared context, as a `TokenContext`: what the engine and drafters see of it is what
+    they would see of a context of their own. `tokens` is, position by position, what the sequence holds."""
+
+    def __init__(self, ctx: Context, seq: int, batcher: Batcher, n_ctx: int):
+        self.ctx = ctx
+        self.seq = seq
+        self.batcher = batcher
+        self.model = ctx.model
+        self.n_ctx = n_ctx  # this sequence's share of the context
+        self.n_batch = ctx.n_batch
+        self.tokens: list[int] = []
+        self._rows: dict[int, np.ndarray] = {}
+        self._last_n = 0
+        with batcher.ops:  # whatever an earlier view of this sequence left is not what `tokens` says
+            ctx.remove(seq, 0, -1)
+
+    def decode(self, tokens: Sequence[int], logits: LogitsMode = "last") -> None:
+        """As `Context.decode`, through the batcher."""
+        n = len(tokens)
+        if n == 0:
+            return
+        if self.n_past + n > self.n_ctx:
+            raise InputError(f"context full: {self.n_past} + {n} tokens > n_ctx {self.n_ctx}")
+        if logits == "all" and n > self.n_batch:
+            raise LlamaError(f"cannot score {n} tokens in one batch of {self.n_batch}")
+        for start in range(0, n, self.n_batch):
+            chunk = list(tokens[start:start + self.n_batch])
+            last = start + self.n_batch >= n
+            rows = list(range(len(chunk))) if logits == "all" else [len(chunk) - 1] if logits == "last" and last \
+                else []
+            pos0 = self.n_past
+            call = self.batcher.decode(Call(self.ctx, self.seq, chunk, [pos0 + i for i in range(len(chunk))], rows))
+            self.tokens.extend(chunk)
+            self._rows, self._last_n = call.out, len(chunk)
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """Row i of this view's last decoded batch (negative: from its end)."""
+        row = self._rows.get(i + self._last_n if i < 0 else i)
+        if row is None:
+            raise LlamaError(f"no logits at batch index {i}")
+        return row
+
+    def rewind(self, n: int) -> None:
+        if n >= self.n_past:
+            return
+        with self.batcher.ops:
+            self.ctx.remove(self.seq, n, -1)
+        del self.tokens[n:]
+
+    def export_state(self):
+        with self.batcher.ops:
+            return self.ctx.export_state(self.seq)
+
+    def import_state(self, state, tokens: Sequence[int]) -> bool:
+        self.rewind(0)
+        with self.batcher.ops:
+            if not self.ctx.load_state(state, self.seq):
+                return False
+        self.tokens = list(tokens)
+        return True

@@ -1,0 +1,135 @@
+"""Several sequences of one llama.cpp context decoding together (decoding.batch), on the real demo family:
+each thread's view sees what a context of its own would show, the calls of several threads share rounds,
+one thread's failing call leaves the others' answers whole, and KV import works per sequence."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from specquant_cli.backend.llama import Context
+from specquant_cli.decoding.batch import Batcher, SeqView
+from specquant_cli.errors import LlamaError
+from specquant_cli.system.calibration import Calibration
+
+TEXTS = ["The capital of France is", "def fib(n):\n", "Once upon a time", "1, 2, 3, 4,"]
+N = 12
+
+
+def greedy(ctx, prompt: list[int], n: int) -> list[int]:
+    ctx.sync(prompt)
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(ctx.logits(-1)))
+        out.append(t)
+        ctx.decode([t])
+    return out
+
+
+def in_threads(fn, k: int) -> list:
+    res, errs = [None] * k, []
+
+    def run(i):
+        try:
+            res[i] = fn(i)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errs.append(e)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(k)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    return res, errs
+
+
+@pytest.fixture(scope="module")
+def parent(models):
+    return models["f16"]
+
+
+@pytest.fixture(scope="module")
+def prompts(parent):
+    return [parent.tokenize(t, add_bos=False) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def alone(parent, prompts):
+    ctx = Context(parent, 512)
+    out = []
+    for p in prompts:
+        ctx.reset()
+        out.append(greedy(ctx, p, N))
+    ctx.close()
+    return out
+
+
+def test_threads_decoding_together_get_what_each_would_alone_and_share_rounds(parent, prompts, alone):
+    shared = Context(parent, 512 * 4, n_seq_max=4)
+    b = Batcher()
+
+    def one(i):
+        with b.member():
+            return greedy(SeqView(shared, i, b, 512), prompts[i], N)
+
+    got, errs = in_threads(one, 4)
+    assert not errs
+    assert got == alone
+    assert b.stats.widest >= 2  # some rounds carried several threads' calls
+    assert b.stats.rounds < b.stats.calls
+    shared.close()
+
+
+def test_one_sequence_failing_leaves_the_others_whole(parent, prompts, alone):
+    shared = Context(parent, 512 * 4, n_seq_max=4)
+    b = Batcher()
+    broken = SeqView(shared, 3, b, 10**6)  # believes it has room llama.cpp never gave its sequence
+    broken.decode(list(range(100, 600)), logits="none")
+
+    def one(i):
+        with b.member():
+            if i == 3:
+                with pytest.raises(LlamaError):
+                    broken.decode(list(range(100, 200)))
+                return None
+            return greedy(SeqView(shared, i, b, 512), prompts[i], N)
+
+    got, errs = in_threads(one, 4)
+    assert not errs
+    assert got[:3] == alone[:3]
+    shared.close()
+
+
+def test_kv_import_per_sequence(parent, prompts, alone):
+    """Sequence 2 of one shared context exports its cache into sequence 1 of another: the importer then
+    continues as if it had decoded the prompt itself."""
+    a, c = Context(parent, 512 * 4, n_seq_max=4), Context(parent, 512 * 4, n_seq_max=4)
+    b = Batcher()
+    src, dst = SeqView(a, 2, b, 512), SeqView(c, 1, b, 512)
+    p = prompts[0]
+    src.decode(p[:-1], logits="none")
+    assert dst.import_state(src.export_state(), p[:-1])
+    assert dst.tokens == p[:-1]
+    assert greedy(dst, p, N) == alone[0]  # sync decodes the last prompt token on top of the import
+    a.close()
+    c.close()
+
+
+def test_a_context_shorter_than_asked_is_refused_per_sequence(parent):
+    shared = Context(parent, 64 * 2, n_seq_max=2)
+    view = SeqView(shared, 1, Batcher(), 64)
+    with pytest.raises(Exception, match="context full"):
+        view.decode(list(range(100, 170)))
+    shared.close()
+
+
+def test_batch_costs_are_shared_shares_of_the_parent_curve():
+    c = Calibration({1: 0.167, 2: 0.167, 4: 0.192, 8: 0.275, 16: 0.417}, {"q4": 0.065})
+    v = c.for_batch(8)
+    assert v.parent_call_s[1] == pytest.approx(0.275 / 8)
+    assert v.parent_call_s[2] == pytest.approx(0.417 / 8)
+    assert v.verify_cost(2) == pytest.approx(0.417 / 0.275)
+    assert v.draft_ratio("q4") == pytest.approx(c.draft_ratio("q4"))
+    assert c.for_batch(1) is c and v.single is c and v.batch == 8
