@@ -22,6 +22,7 @@ from specquant_cli.decoding.engine import Engine
 from specquant_cli.decoding.gamma import AdaptiveGamma, FixedGamma
 from specquant_cli.decoding.stream import generate_text
 from specquant_cli.family.manifest import Family
+from specquant_cli.family.roles import BUILTIN_ROLES
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring and two examples.",
@@ -80,7 +81,7 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=2048)
     a = ap.parse_args()
     fam = Family.load(a.family)
-    models = {r: Model(fam.path(r)) for r in ("f16", "q4", "q8")}
+    models = {r: Model(fam.path(r)) for r in BUILTIN_ROLES}
     ctxs = {r: Context(m, a.n_ctx) for r, m in models.items()}
     log = CallLog()
     for r, c in ctxs.items():

@@ -9,10 +9,10 @@ from specquant_cli.backend.llama import Context, Model, check_same_vocab
 from specquant_cli.decoding.engine import DEFAULT_GAMMA, Engine
 from specquant_cli.decoding.gamma import CALIBRATED_PRIOR_COUNTS, PRIOR_PSEUDO_COUNTS, AdaptiveGamma, FixedGamma
 from specquant_cli.decoding.protocols import Drafter
-from specquant_cli.decoding.registry import drafter_spec
+from specquant_cli.decoding.registry import drafter_spec, register_family_drafters
 from specquant_cli.decoding.sampling import SamplingParams
 from specquant_cli.family.manifest import Family
-from specquant_cli.names import PARENT_ROLE
+from specquant_cli.family.roles import PARENT_ROLE
 from specquant_cli.routing.policies import Plan
 
 ADAPTIVE_G_MAX = 8  # the adaptive controller's longest model draft
@@ -37,7 +37,7 @@ class Runtime:
         self.scope = ""  # the policy whose drafter is being built
         self._calibration = None
         self.auto_state = None  # the auto policy's session measurements (routing.auto.AutoState)
-        self.draft_roles()  # registers a drafter for each draft role (a custom graded one too)
+        self._draft_roles = register_family_drafters(family.roles())  # a custom graded role drafts too
 
     @property
     def facts(self):
@@ -159,10 +159,8 @@ class Runtime:
             err.print(line, markup=False)
 
     def draft_roles(self) -> list[str]:
-        """The family's roles that draft as models (q4, q8, recipes such as q4i, q3g)."""
-        from specquant_cli.decoding.registry import family_draft_roles
-
-        return family_draft_roles(self.family.roles(), PARENT_ROLE)
+        """The family's roles that draft as models (q4, q8, recipes such as q4i, q3g, a custom graded role)."""
+        return list(self._draft_roles)
 
     def fits(self, roles: list[str]) -> bool:
         """Whether `roles` (the parent first) fit where they would run (system.placement)."""

@@ -91,7 +91,7 @@ def _rpc_report(fam, n_ctx: int) -> Optional[dict]:
     """The --rpc workers' memory (probed; a worker that is down is an error), and with a family, the parent's
     layers over them (split by free memory) and whether it fits."""
     from specquant_cli.errors import ResourceError
-    from specquant_cli.names import PARENT_ROLE
+    from specquant_cli.family.roles import PARENT_ROLE
     from specquant_cli.system import rpc
 
     endpoints = rpc.configured()

@@ -16,6 +16,7 @@ from typing import Optional
 import numpy as np
 
 from specquant_cli.decoding.gamma import expected_tokens, verify_shape
+from specquant_cli.family.roles import STANDARD_DRAFTS
 
 # Per-token acceptance prior of a q4 draft with the parent's own KV cache (Spec-Bench on the 1.5B
 # family: 89 %; lower on a true F16 base, see the provenance caveat), and of q8.
@@ -36,7 +37,6 @@ MODEL_MARGIN = 1.03
 # above q4's plan of the same kind to replace it: with six drafts to choose from, the best-looking of several
 # small-sample estimates is optimistic (the winner's curse).
 RECIPE_MARGIN = 1.03
-STANDARD_DRAFTS = ("q4", "q8")
 
 
 def copy_potential(tokens: Sequence[int], n: int = 3) -> float:

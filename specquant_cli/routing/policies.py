@@ -11,7 +11,8 @@ from typing import Optional
 
 from specquant_cli.decoding.registry import drafter_spec
 from specquant_cli.errors import InputError
-from specquant_cli.names import PARENT_ROLE, ROLE_RE, TIERS, Tier
+from specquant_cli.family.roles import PARENT_ROLE, STANDARD_DRAFTS, is_role_name
+from specquant_cli.names import TIERS, Tier
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,14 @@ def _auto(ctx: PlanContext) -> Plan:
                                   "why": c.why, "source": c.source} for c in cands), why=why)
 
 
+def _recipe_policies() -> list[PolicySpec]:
+    """`spec-<recipe>` for every draft recipe of family.recipes (q4i, q4s, …), described by its recipe."""
+    from specquant_cli.family.recipes import RECIPES
+
+    return [PolicySpec(f"spec-{r.role}", f"`{r.role}` ({r.help}) drafts, F16 verifies", drafter=r.role, in_bench=False)
+            for r in RECIPES.values()]
+
+
 def register_policy(spec: PolicySpec) -> PolicySpec:
     for d in {spec.drafter, *(spec.by_tier or {}).values()} - {None}:
         drafter_spec(d)  # fails on an unknown drafter now, not at the first request
@@ -86,7 +95,7 @@ for _spec in (
     PolicySpec("auto", "per prompt, the plan with the best predicted speedup from this machine's measured "
                "costs, the route and the prompt's copy potential (parent, `suffix`, each model draft the family has — "
                "`q4`, `q8`, recipes such as `q4i` — and `suffix+<draft>`); "
-               "never one predicted below 1.0x", planner=_auto, roles=("q4", "q8")),
+               "never one predicted below 1.0x", planner=_auto, roles=STANDARD_DRAFTS),
     PolicySpec("paper", "low → `q4` drafts, F16 verifies; medium → `q8` drafts, F16 verifies; high → F16 alone",
                by_tier={"low": "q4", "medium": "q8", "high": None}),
     PolicySpec("parent", "F16 alone"),
@@ -94,15 +103,7 @@ for _spec in (
     PolicySpec("spec-q8", "`q8` drafts, F16 verifies", drafter="q8"),
     PolicySpec("spec-q4-prefill", "`q4` drafts after its own prompt prefill (no KV import), F16 verifies",
                drafter="q4-prefill", in_bench=False),
-    PolicySpec("spec-q4i", "`q4i` (imatrix Q4_0) drafts, F16 verifies", drafter="q4i", in_bench=False),
-    PolicySpec("spec-q4s", "`q4s` (Q4_0 with Q4_0 embeddings and output) drafts, F16 verifies", drafter="q4s",
-               in_bench=False),
-    PolicySpec("spec-q4si", "`q4si` (`q4s` with the importance matrix) drafts, F16 verifies", drafter="q4si",
-               in_bench=False),
-    PolicySpec("spec-q3g", "`q3g` (graded precision, ~3.5 bits per weight) drafts, F16 verifies", drafter="q3g",
-               in_bench=False),
-    PolicySpec("spec-q3g30", "`q3g30` (graded precision, ~3.0 bits per weight) drafts, F16 verifies",
-               drafter="q3g30", in_bench=False),
+    *_recipe_policies(),
     PolicySpec("ngram", "prompt-lookup n-gram drafts (no model call), F16 verifies", drafter="ngram"),
     PolicySpec("suffix", "suffix-match drafts over the prompt, the answer and the session's earlier turns (no "
                "model call), draft length from match length and measured costs, F16 verifies", drafter="suffix",
@@ -163,7 +164,7 @@ def policy_spec(name: str) -> PolicySpec:
     if spec is not None:
         return spec
     role = name.removeprefix("spec-")
-    if role != name and ROLE_RE.match(role) and role != PARENT_ROLE:
+    if role != name and is_role_name(role) and role != PARENT_ROLE:
         from specquant_cli.decoding.registry import DRAFTERS
 
         taken = DRAFTERS.get(role)

@@ -15,10 +15,9 @@ from typing import Optional
 
 import uvicorn
 
-from specquant_cli.decoding.registry import family_draft_roles
+from specquant_cli.decoding.registry import register_family_drafters
 from specquant_cli.errors import InputError, ResourceError, SpecquantError
 from specquant_cli.family.manifest import MANIFEST
-from specquant_cli.names import PARENT_ROLE
 from specquant_cli.routing.policies import POLICIES, all_roles, check_policy, policy_spec
 from specquant_cli.serving.schemas import ApiError, GenerationParams
 from specquant_cli.serving.worker import EngineWorker
@@ -157,7 +156,7 @@ def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: O
     if not opts.policies:  # every registered policy this family has the roles for
         have = set(family.roles())
         opts.policies = [p for p in POLICIES if set(all_roles([p])) <= have]
-        opts.policies += [f"spec-{r}" for r in family_draft_roles(family.roles(), PARENT_ROLE)
+        opts.policies += [f"spec-{r}" for r in register_family_drafters(family.roles())
                           if f"spec-{r}" not in opts.policies]  # roles made by quantize --grade --role NAME
     if opts.policies and opts.policy not in opts.policies:
         raise InputError(f"--policy {opts.policy} must be one of --policies ({', '.join(opts.policies)})")

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import InputError
+from specquant_cli.family.roles import is_role_name
 from specquant_cli.fsutil import create_temp, write_json_atomic
-from specquant_cli.names import ROLE_RE
 
 CALIBRATION_FILE = "calibration.json"
 SCHEMA = 4  # part of the cache key: an entry measured by an older version is measured again
@@ -281,7 +281,7 @@ def _seconds(v, what: str) -> float:
 
 def _roles(d: dict, field_name: str) -> None:
     for role in d:
-        if not ROLE_RE.match(role):
+        if not is_role_name(role):
             raise ValueError(f"{field_name} names the role {role[:40]!r}, which is not a role name")
 
 
