@@ -33,7 +33,7 @@ class DraftHost(Protocol):
         """A parent call on n tokens relative to one token (measured, or the prior shape)."""
         ...
 
-    def model_gamma(self, role: str, g_init: int):
+    def model_gamma(self, role: str, gamma_init: int):
         """An adaptive γ policy for `role`'s drafts, seeded with this machine's measured costs."""
         ...
 

@@ -163,8 +163,8 @@ def _hits(ctx, prompt: list[int], answer: list[int]) -> list[bool]:
     return out
 
 
-def expected_run_tokens(hits, g_max: int) -> list[float]:
-    """[E(1), ..., E(g_max)]: mean over start positions of (drafted tokens kept in a row, capped at g) + 1.
+def expected_run_tokens(hits, gamma_max: int) -> list[float]:
+    """[E(1), ..., E(gamma_max)]: mean over start positions of (drafted tokens kept in a row, capped at g) + 1.
     `hits` is one list of booleans, or a list of them (runs do not cross from one to the next)."""
     seqs = hits if hits and isinstance(hits[0], list) else [hits]
     runs = []
@@ -174,7 +174,7 @@ def expected_run_tokens(hits, g_max: int) -> list[float]:
             run = run + 1 if hs[i] else 0
             rs[i] = run
         runs += rs
-    return [round(1 + sum(min(r, g) for r in runs) / max(1, len(runs)), 4) for g in range(1, g_max + 1)]
+    return [round(1 + sum(min(r, g) for r in runs) / max(1, len(runs)), 4) for g in range(1, gamma_max + 1)]
 
 
 def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
