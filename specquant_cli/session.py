@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
 from specquant_cli.decoding.sampling import SamplingParams
 from specquant_cli.decoding.stream import Response, stream_generate
-from specquant_cli.routing.policies import Plan, PlanContext, check_policy, plan_for
+from specquant_cli.routing.policies import DEFAULT_POLICY, Plan, PlanContext, check_policy, plan_for
 from specquant_cli.routing.router import Route, Router
 from specquant_cli.runtime import Runtime
+from specquant_cli.settings import SessionSettings
 
 
 @dataclass
@@ -32,6 +33,33 @@ class Answer:
             "finish_reason": self.last.finish_reason if self.last else None,
             "stats": self.last.stats() if self.last else {},
         }
+
+
+def open_session(settings: SessionSettings, family=None, say: Optional[Callable[[str], None]] = None) -> ChatSession:
+    """The one assembly point of every front end: family -> runtime -> router -> session.
+
+    Args:
+        settings: what to open (settings.SessionSettings); its family is loaded unless `family` is given.
+        family: an already loaded family.
+        say: where warnings go (a line each; none by default): a context above the model's trained one.
+
+    The router refuses a prompt longer than the context (settings.n_ctx), for every front end. The policy
+    is checked against the family's roles here, before any model loads. The caller closes
+    `session.runtime`."""
+    from specquant_cli.routing.router import Router, load_config
+    from specquant_cli.settings import ctx_warning, load_family
+
+    router_config = load_config(settings.router_config)
+    fam = family if family is not None else load_family(settings.family)
+    policy = check_policy(settings.policy or DEFAULT_POLICY, fam.roles())
+    warning = ctx_warning(fam, settings.n_ctx)
+    if say is not None and warning:
+        say(warning)
+    runtime = Runtime(fam, n_ctx=settings.n_ctx, threads=settings.threads, facts=settings.facts, rpc=settings.rpc,
+                      **({"gamma": settings.gamma} if settings.gamma is not None else {}))
+    router = Router(router_config, runtime.count_tokens, max_tokens=settings.n_ctx)
+    return ChatSession(runtime, router, policy, settings.sampling or SamplingParams(), settings.max_tokens,
+                       settings.system, settings.stop)
 
 
 @dataclass

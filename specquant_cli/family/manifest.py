@@ -38,7 +38,6 @@ JOURNAL = ".specquant-commit.json"
 UNUSABLE_JOURNAL = JOURNAL + ".unusable"  # a journal that did not check out, set aside
 LOCK = ".specquant.lock"
 RESERVED = {MANIFEST, PREV_MANIFEST, JOURNAL, UNUSABLE_JOURNAL, LOCK, "manifest.json.unusable"}
-DEFAULT_FAMILY_DIR = Path("models") / "smollm2-135m"
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest is a few KiB; anything this large is not one
 
 

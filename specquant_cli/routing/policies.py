@@ -10,7 +10,7 @@ asking which policy made it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional, Protocol
 
@@ -200,8 +200,15 @@ def _drafter_roles(name: str) -> tuple[str, ...]:
     return spec.roles if spec is not None else (name,)
 
 
-def check_policy(name: str) -> str:
-    policy_spec(name)
+def check_policy(name: str, roles: Optional[Sequence[str]] = None) -> str:
+    """`name` is a policy (or `spec-<role>`); with a family's `roles`, also one that family can run: every role
+    its plans load, over every tier, is there (a planner picks among the family's roles itself)."""
+    spec = policy_spec(name)
+    if roles is not None and spec.planner is None:
+        missing = [r for r in all_roles([name]) if r not in roles]
+        if missing:
+            raise InputError(f"policy {name} needs the role(s) {', '.join(missing)}, which the family does not have "
+                             f"(it has: {', '.join(roles)})")
     return name
 
 

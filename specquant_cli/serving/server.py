@@ -146,9 +146,8 @@ def parent_rate(runtime) -> Optional[float]:
 def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: Optional[int],
                   router_config=None) -> Service:
     """Load every role the offered policies can use (placement-checked first) and warm the router."""
-    from specquant_cli.routing.router import Router, load_config
-    from specquant_cli.runtime import Runtime
-    from specquant_cli.session import ChatSession
+    from specquant_cli.session import open_session
+    from specquant_cli.settings import SessionSettings
 
     check_policy(opts.policy)
     for p in opts.policies:
@@ -160,7 +159,9 @@ def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: O
                           if f"spec-{r}" not in opts.policies]  # roles made by quantize --grade --role NAME
     if opts.policies and opts.policy not in opts.policies:
         raise InputError(f"--policy {opts.policy} must be one of --policies ({', '.join(opts.policies)})")
-    runtime = Runtime(family, n_ctx=n_ctx, gamma=gamma, threads=threads)
+    session = open_session(SessionSettings(n_ctx=n_ctx, gamma=gamma, threads=threads, policy=opts.policy,
+                                           router_config=router_config), family=family)
+    runtime = session.runtime
     try:
         roles = all_roles([opts.policy, *(opts.policies or POLICIES)])
         try:
@@ -168,7 +169,6 @@ def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: O
         except ResourceError as e:
             raise ResourceError(f"{e}; offer fewer policies with --policies (their roles: {', '.join(roles)})") \
                 from None
-        session = ChatSession(runtime, Router(load_config(router_config), runtime.count_tokens), opts.policy)
         for name in dict.fromkeys([opts.policy, *(opts.policies or POLICIES)]):
             # Planning once per policy loads spaCy, and has a planner measure what it needs (once per machine),
             # now rather than during the first request.
