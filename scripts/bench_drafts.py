@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Draft variants (issue 12): plain Q4_0, imatrix Q4_0, graded ~3.5 / ~3.0 bits, Q4_0 embeddings — size,
+"""Draft variants: plain Q4_0, imatrix Q4_0, graded ~3.5 / ~3.0 bits, Q4_0 embeddings — size,
 draft step time, teacher-forced greedy agreement with the F16 and perplexity on held text.
 
     .venv/bin/python scripts/bench_drafts.py --family models/qwen2.5-coder-1.5b --make \\

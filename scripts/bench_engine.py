@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Engine benchmark (issue 3): vanilla parent vs speculative per drafter and gamma, greedy, with the
+"""Engine benchmark: vanilla parent vs speculative per drafter and gamma, greedy, with the
 engine's overhead against its own cost model (component costs measured in the same run).
 
     .venv/bin/python scripts/bench_engine.py --family models/qwen2.5-coder-1.5b --max-tokens 96
