@@ -207,7 +207,7 @@ def check_policy(name: str, roles: Optional[Sequence[str]] = None) -> str:
     if roles is not None and spec.planner is None:
         missing = [r for r in all_roles([name]) if r not in roles]
         if missing:
-            raise InputError(f"policy {name} needs the role(s) {', '.join(missing)}, which the family does not have "
+            raise InputError(f"policy {name}: the family has no {' or '.join(map(repr, missing))} variant "
                              f"(it has: {', '.join(roles)})")
     return name
 
