@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Draft variants (issue 12): plain Q4_0, imatrix Q4_0, graded ~3.5 / ~3.0 bits, Q4_0 embeddings — size,
+"""Draft variants: plain Q4_0, imatrix Q4_0, graded ~3.5 / ~3.0 bits, Q4_0 embeddings — size,
 draft step time, teacher-forced greedy agreement with the F16 and perplexity on held text.
 
     .venv/bin/python scripts/bench_drafts.py --family models/qwen2.5-coder-1.5b --make \\
@@ -38,10 +38,10 @@ import numpy as np
 
 from specquant_cli.backend.llama import Context, Model
 from specquant_cli.family.manifest import Family
+from specquant_cli.family.roles import PARENT_ROLE, recipe_roles
 
 REPO = Path(__file__).resolve().parent.parent
-ROLES = ("q4", "q4i", "q3g", "q3g30", "q4s", "q4si")
-RECIPE_ROLES = ("q4i", "q4s", "q4si", "q3g", "q3g30")
+ROLES = ("q4", *recipe_roles())  # q4 and every draft recipe
 CATEGORIES = "coding,math_reasoning,qa,translation,summarization,rag"
 HELD = Path(__file__).with_name("heldout_text.txt")
 WINDOW = 512
@@ -183,7 +183,7 @@ def plot(report: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in report["variants"]:
-        if r["role"] == "f16":
+        if r["role"] == PARENT_ROLE:
             continue
         ax.scatter(r["bits_per_weight"], r["agreement"], s=60, color="tab:blue")
         ax.annotate(f"{r['role']} ({r['step_ms']:.1f} ms)", (r["bits_per_weight"], r["agreement"]),
@@ -230,7 +230,7 @@ def main() -> int:
     t_all = time.perf_counter()
 
     log(f"F16 reference streams ({len(cats) * args.per_category} prompts x {args.stream_tokens} tokens) ...")
-    f16 = Model(fam.path("f16"))
+    f16 = Model(fam.path(PARENT_ROLE))
     prompts = load_prompts(Path(args.dataset), cats, args.per_category)
     streams = []
     for cat, text in prompts:
@@ -243,7 +243,7 @@ def main() -> int:
     f16.close()
 
     variants = []
-    for role in ["f16"] + roles:
+    for role in [PARENT_ROLE] + roles:
         t0 = time.perf_counter()
         v = fam.variant(role)
         m = Model(fam.path(role))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Engine benchmark (issue 3): vanilla parent vs speculative per drafter and gamma, greedy, with the
+"""Engine benchmark: vanilla parent vs speculative per drafter and gamma, greedy, with the
 engine's overhead against its own cost model (component costs measured in the same run).
 
     .venv/bin/python scripts/bench_engine.py --family models/qwen2.5-coder-1.5b --max-tokens 96
@@ -22,6 +22,7 @@ from specquant_cli.decoding.engine import Engine
 from specquant_cli.decoding.gamma import AdaptiveGamma, FixedGamma
 from specquant_cli.decoding.stream import generate_text
 from specquant_cli.family.manifest import Family
+from specquant_cli.family.roles import BUILTIN_ROLES
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring and two examples.",
@@ -80,7 +81,7 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=2048)
     a = ap.parse_args()
     fam = Family.load(a.family)
-    models = {r: Model(fam.path(r)) for r in ("f16", "q4", "q8")}
+    models = {r: Model(fam.path(r)) for r in BUILTIN_ROLES}
     ctxs = {r: Context(m, a.n_ctx) for r, m in models.items()}
     log = CallLog()
     for r, c in ctxs.items():

@@ -32,6 +32,8 @@ from specquant_cli.decoding.gamma import AdaptiveGamma
 from specquant_cli.decoding.stream import generate_text
 from specquant_cli.family.manifest import Family
 from specquant_cli.runtime import Runtime
+from specquant_cli.session import open_session
+from specquant_cli.settings import SessionSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,7 +140,7 @@ def tok_s(rt: Runtime, prompts, max_tokens: int, spec: bool, ref: dict) -> float
 
 
 def measure(fam: Family, rpc: list[str], a, ref: dict, spec: bool, calls: bool) -> dict:
-    rt = Runtime(fam, n_ctx=a.n_ctx, rpc=rpc)
+    rt = open_session(SessionSettings(n_ctx=a.n_ctx, rpc=rpc), family=fam).runtime
     try:
         parent = rt.context("f16")
         prompts = [parent.model.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS[:a.prompts]]

@@ -14,9 +14,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from specquant_cli.family.manifest import Family
-from specquant_cli.routing.router import Router, load_config
-from specquant_cli.runtime import Runtime
+from specquant_cli.session import open_session
+from specquant_cli.settings import SessionSettings
 
 FACTUAL = ["What is the capital of France?", "Who wrote Hamlet?", "How many legs does a spider have?",
            "What is 12 times 12?", "When did World War II end?", "What is the boiling point of water?",
@@ -30,8 +29,10 @@ def main() -> None:
     ap.add_argument("--family", default=str(here / "models" / "smollm2-135m"))
     ap.add_argument("--per-category", type=int, default=20)
     ap.add_argument("--config", default=None)
+    ap.add_argument("--ctx", type=int, default=32768, help="longest prompt in tokens (the router's limit)")
     a = ap.parse_args()
-    router = Router(load_config(Path(a.config) if a.config else None), Runtime(Family.load(a.family)).count_tokens)
+    cfg = Path(a.config) if a.config else None
+    router = open_session(SessionSettings(Path(a.family), a.ctx, router_config=cfg)).router
     rows = defaultdict(list)
     for p in FACTUAL:
         rows["short-factual"].append(router.route(p))

@@ -6,7 +6,6 @@ out of range: one line too); 130 interrupted (Ctrl-C or SIGTERM); 141 the reader
 
 from __future__ import annotations
 
-import os
 import sys
 
 import typer
@@ -19,7 +18,9 @@ _click = sys.modules[typer.BadParameter.__module__]  # the click exceptions type
 
 
 def _debug() -> bool:
-    return os.environ.get("SPECQUANT_DEBUG", "") not in ("", "0")
+    from specquant_cli.settings import debug
+
+    return debug()
 
 
 class _Group(TyperGroup):

@@ -1,17 +1,12 @@
-"""Names the whole program shares, as types: tiers, family roles, logits modes, finish reasons."""
+"""Names the whole program shares, as types: tiers, logits modes, finish reasons, token sources.
+Family roles have their own module: family.roles."""
 
 from __future__ import annotations
 
-import re
 from typing import Literal, get_args
 
 Tier = Literal["low", "medium", "high"]
 TIERS: tuple[str, ...] = get_args(Tier)
-
-# Family roles are open (quantize can add any), these are the ones the built-in policies know.
-Role = str
-PARENT_ROLE: Role = "f16"
-ROLE_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # what `quantize --role NAME` accepts
 
 LogitsMode = Literal["last", "all", "none"]  # which rows of a decoded batch keep logits
 

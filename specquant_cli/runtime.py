@@ -9,13 +9,13 @@ from specquant_cli.backend.llama import Context, Model, check_same_vocab
 from specquant_cli.decoding.engine import DEFAULT_GAMMA, Engine
 from specquant_cli.decoding.gamma import CALIBRATED_PRIOR_COUNTS, PRIOR_PSEUDO_COUNTS, AdaptiveGamma, FixedGamma
 from specquant_cli.decoding.protocols import Drafter
-from specquant_cli.decoding.registry import drafter_spec
+from specquant_cli.decoding.registry import drafter_spec, register_family_drafters
 from specquant_cli.decoding.sampling import SamplingParams
 from specquant_cli.family.manifest import Family
-from specquant_cli.names import PARENT_ROLE
-from specquant_cli.routing.policies import Plan
+from specquant_cli.family.roles import PARENT_ROLE
+from specquant_cli.routing.policies import Plan, Planner, policy_spec
 
-ADAPTIVE_G_MAX = 8  # the adaptive controller's longest model draft
+ADAPTIVE_GAMMA_MAX = 8  # the adaptive controller's longest model draft
 
 
 class Runtime:
@@ -40,8 +40,8 @@ class Runtime:
         self._drafters: dict[str, Drafter] = {}  # persistent drafters, kept across requests
         self.scope = ""  # the policy whose drafter is being built
         self._calibration = None
-        self.auto_state = None  # the auto policy's session measurements (routing.auto.AutoState)
-        self.draft_roles()  # registers a drafter for each draft role (a custom graded one too)
+        self._planners: dict[str, Optional[Planner]] = {}  # per policy, kept for the session (they learn)
+        self._draft_roles = register_family_drafters(family.roles())  # a custom graded role drafts too
 
     @property
     def facts(self):
@@ -115,6 +115,14 @@ class Runtime:
         self.ensure([role])
         return self._ctx[role]
 
+    def planner(self, policy: str) -> Optional[Planner]:
+        """The session's planner for `policy` (built on first use and kept: it learns from every answer of the
+        session, across requests); None for a policy whose table row is its plan."""
+        if policy not in self._planners:
+            factory = policy_spec(policy).planner
+            self._planners[policy] = factory() if factory is not None else None
+        return self._planners[policy]
+
     def drafter(self, name: str, target: str, scope: str = "") -> Drafter:
         """The named drafter, built from its registry spec; a persistent one is kept for the session, one per
         `scope` (the policy: what one policy's drafter remembers never feeds another's, so a bench that runs
@@ -164,10 +172,8 @@ class Runtime:
             err.print(line, markup=False)
 
     def draft_roles(self) -> list[str]:
-        """The family's roles that draft as models (q4, q8, recipes such as q4i, q3g)."""
-        from specquant_cli.decoding.registry import family_draft_roles
-
-        return family_draft_roles(self.family.roles(), PARENT_ROLE)
+        """The family's roles that draft as models (q4, q8, recipes such as q4i, q3g, a custom graded role)."""
+        return list(self._draft_roles)
 
     def fits(self, roles: list[str]) -> bool:
         """Whether `roles` (the parent first) fit where they would run (system.placement)."""
@@ -249,14 +255,14 @@ class Runtime:
         c = self.calibration(measure=False)
         return c.verify_cost if c else verify_shape
 
-    def model_gamma(self, role: str, g_init: int) -> AdaptiveGamma:
+    def model_gamma(self, role: str, gamma_init: int) -> AdaptiveGamma:
         """Adaptive γ for `role`'s drafts, its cost estimates seeded with the calibration when there is one."""
         c = self.calibration(measure=False)
         prior = {n: s for n, s in c.parent_call_s.items()} if c else None
         draft = c.draft_step_s.get(role) if c else None
         measured = c is not None and role in c.agreement
         alpha = min(0.95, c.agreement[role]) if measured else 0.5  # capped: 256 tokens cannot promise more
-        return AdaptiveGamma(g_max=max(ADAPTIVE_G_MAX, self.gamma), g_init=g_init, verify_prior=prior,
+        return AdaptiveGamma(gamma_max=max(ADAPTIVE_GAMMA_MAX, self.gamma), gamma_init=gamma_init, verify_prior=prior,
                              draft_prior=draft, alpha_prior=alpha,
                              prior_counts=CALIBRATED_PRIOR_COUNTS if measured else PRIOR_PSEUDO_COUNTS)
 
@@ -268,17 +274,18 @@ class Runtime:
             sp: sampling parameters; greedy when temperature is 0."""
         self.ensure(plan.roles)
         drafter = self.drafter(plan.draft, plan.target, plan.policy) if plan.draft else None
-        if drafter is None:
-            gamma = FixedGamma(0)
-        elif plan.gamma_cap:
-            gamma = FixedGamma(plan.gamma_cap)  # the drafter sizes its drafts itself, up to the cap
-        elif plan.adaptive_gamma and plan.policy == "auto":
-            gamma = self.model_gamma(plan.draft, self.gamma)
-        elif plan.adaptive_gamma:
-            gamma = AdaptiveGamma(g_max=max(ADAPTIVE_G_MAX, self.gamma), g_init=self.gamma)
-        else:
-            gamma = FixedGamma(self.gamma)
-        return Engine(self._ctx[plan.target], drafter, gamma, sp)
+        return Engine(self._ctx[plan.target], drafter, self.gamma_policy(plan) if drafter else FixedGamma(0), sp)
+
+    def gamma_policy(self, plan: Plan):
+        """The draft-length policy `plan.gamma_policy` names (routing.policies.GammaPolicyKind)."""
+        kind = plan.gamma_policy
+        if kind == "capped":
+            return FixedGamma(plan.gamma_cap)  # the drafter sizes its drafts itself, up to the cap
+        if kind == "calibrated":
+            return self.model_gamma(plan.draft, self.gamma)
+        if kind == "adaptive":
+            return AdaptiveGamma(gamma_max=max(ADAPTIVE_GAMMA_MAX, self.gamma), gamma_init=self.gamma)
+        return FixedGamma(0 if kind == "none" else self.gamma)
 
     def reset_caches(self) -> None:
         """Empty every KV cache (the bench's fresh-request state). Persistent drafters keep their memory."""

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from specquant_cli.decoding.sampling import SamplingParams
 from specquant_cli.decoding.stream import Response, stream_generate
-from specquant_cli.routing.policies import Plan, PlanContext, check_policy, plan_for, policy_spec
+from specquant_cli.routing.policies import DEFAULT_POLICY, Plan, PlanContext, check_policy, plan_for
 from specquant_cli.routing.router import Route, Router
 from specquant_cli.runtime import Runtime
+from specquant_cli.settings import SessionSettings
 
 
 @dataclass
@@ -32,6 +33,33 @@ class Answer:
             "finish_reason": self.last.finish_reason if self.last else None,
             "stats": self.last.stats() if self.last else {},
         }
+
+
+def open_session(settings: SessionSettings, family=None, say: Optional[Callable[[str], None]] = None) -> ChatSession:
+    """The one assembly point of every front end: family -> runtime -> router -> session.
+
+    Args:
+        settings: what to open (settings.SessionSettings); its family is loaded unless `family` is given.
+        family: an already loaded family.
+        say: where warnings go (a line each; none by default): a context above the model's trained one.
+
+    The router refuses a prompt longer than the context (settings.n_ctx), for every front end. The policy
+    is checked against the family's roles here, before any model loads. The caller closes
+    `session.runtime`."""
+    from specquant_cli.routing.router import Router, load_config
+    from specquant_cli.settings import ctx_warning, load_family
+
+    router_config = load_config(settings.router_config)
+    fam = family if family is not None else load_family(settings.family)
+    policy = check_policy(settings.policy or DEFAULT_POLICY, fam.roles())
+    warning = ctx_warning(fam, settings.n_ctx)
+    if say is not None and warning:
+        say(warning)
+    runtime = Runtime(fam, n_ctx=settings.n_ctx, threads=settings.threads, facts=settings.facts, rpc=settings.rpc,
+                      parallel=settings.parallel, **({"gamma": settings.gamma} if settings.gamma is not None else {}))
+    router = Router(router_config, runtime.count_tokens, max_tokens=settings.n_ctx)
+    return ChatSession(runtime, router, policy, settings.sampling or SamplingParams(), settings.max_tokens,
+                       settings.system, settings.stop)
 
 
 @dataclass
@@ -58,22 +86,21 @@ class ChatSession:
 
     def plan(self, text: str, policy: Optional[str] = None, prompt: Optional[list[int]] = None,
              measure: bool = True) -> tuple[Route, Plan]:
-        """Route `text` and plan it. A policy with a planner (auto) also sees the prompt's copy potential,
-        the machine's calibration (measured on first use unless `measure` is False) and the session's
-        measurements."""
+        """Route `text` and plan it. A policy with a planner has the session's planner decide, from the
+        prompt's copy potential, the roles it may pick and the machine's calibration (measured on first use
+        unless `measure` is False)."""
         route = self.router.route(text)
         name = policy or self.policy
-        ctx = None
-        if policy_spec(name).planner is not None:
-            from specquant_cli.routing.auto import AutoState, copy_potential
+        rt = self.runtime
+        planner = rt.planner(name)
+        if planner is None:
+            return route, plan_for(name, route.tier)
+        from specquant_cli.routing.auto import copy_potential
 
-            rt = self.runtime
-            if rt.auto_state is None:
-                rt.auto_state = AutoState()
-            tokens = prompt if prompt is not None else rt.tokenizer().tokenize(text, add_bos=False, special=False)
-            ctx = PlanContext(name, route.tier, copy_potential(tokens), rt.plannable_roles(),
-                              rt.calibration(measure=measure), rt.auto_state)
-        return route, plan_for(name, route.tier, ctx)
+        tokens = prompt if prompt is not None else rt.tokenizer().tokenize(text, add_bos=False, special=False)
+        ctx = PlanContext(name, route.tier, copy_potential(tokens), rt.plannable_roles(),
+                          rt.calibration(measure=measure))
+        return route, plan_for(name, route.tier, ctx, planner)
 
     def messages(self, text: str) -> list[dict]:
         sys_msg = [{"role": "system", "content": self.system}] if self.system else []
@@ -127,14 +154,8 @@ class ChatSession:
                 yield rec
             answer.text = "".join(parts)
             self.last = answer
-            self._observe(answer)
+            planner = self.runtime.planner(answer.plan.policy)
+            if planner is not None:
+                planner.observe(answer)  # what the plan achieved, for the next prompt's plan
 
         return answer, run()
-
-    def _observe(self, answer: Answer) -> None:
-        """Feed the auto policy the decode speedup the plan achieved (vs the calibrated parent step)."""
-        state, cal, rec = self.runtime.auto_state, self.runtime.calibration(measure=False), answer.last
-        if answer.plan.policy != "auto" or state is None or cal is None or rec is None or rec.new_tokens < 8:
-            return
-        name = answer.plan.draft or "parent"
-        state.observe(answer.route.tier, name, rec.decode_tokens_per_s * cal.parent_call_s[1])

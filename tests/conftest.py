@@ -43,6 +43,20 @@ def _isolate(monkeypatch, tmp_path_factory, selftest_cache):
     monkeypatch.delenv("SPECQUANT_LLAMA_LOG", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _registries() -> Iterator[None]:
+    """Every test leaves the drafter and policy tables as it found them (a test that registers a drafter, a
+    policy or a family's role drafters adds rows only for itself)."""
+    from specquant_cli.decoding.registry import DRAFTERS
+    from specquant_cli.routing.policies import POLICIES
+
+    drafters, policies = dict(DRAFTERS), dict(POLICIES)
+    yield
+    for table, before in ((DRAFTERS, drafters), (POLICIES, policies)):
+        table.clear()
+        table.update(before)
+
+
 @pytest.fixture(scope="session")
 def family_dir() -> Path:
     """The real smollm2-135m family (scripts/test.sh fetches it; fetched here if missing)."""

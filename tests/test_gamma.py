@@ -11,12 +11,12 @@ def outcome(proposed, accepted, draft_s, verify_s):
 
 
 def test_adaptive_gamma_follows_costs_and_acceptance():
-    g = AdaptiveGamma(g_max=8)
+    g = AdaptiveGamma(gamma_max=8)
     for _ in range(30):  # cheap drafts, everything accepted, verify cost flat
         n = g.draft_length() or 1
         g.update(outcome(n, n, 0.001 * n, 0.1))
     assert g.draft_length() >= 6
-    bad = AdaptiveGamma(g_max=8)
+    bad = AdaptiveGamma(gamma_max=8)
     for _ in range(30):  # drafts as costly as the parent and always rejected
         bad.update(outcome(2, 0, 0.2, 0.1))
     assert bad.gamma == 0
@@ -24,7 +24,7 @@ def test_adaptive_gamma_follows_costs_and_acceptance():
 
 
 def test_draft_length_is_pure_and_probes_after_idle_cycles():
-    g = AdaptiveGamma(g_max=8, probe_every=3)
+    g = AdaptiveGamma(gamma_max=8, probe_every=3)
     for _ in range(10):
         g.update(outcome(2, 0, 0.2, 0.1))
     assert g.gamma == 0
@@ -60,7 +60,7 @@ def test_a_calibrated_prior_survives_one_bad_cycle():
     costs = {1: 0.057, 2: 0.095, 3: 0.100, 4: 0.112, 5: 0.124, 6: 0.13, 7: 0.14, 8: 0.15, 9: 0.157}
 
     def after_one_bad_cycle(counts):
-        g = AdaptiveGamma(g_max=8, alpha_prior=0.92, verify_prior=costs, draft_prior=0.023, prior_counts=counts)
+        g = AdaptiveGamma(gamma_max=8, alpha_prior=0.92, verify_prior=costs, draft_prior=0.023, prior_counts=counts)
         g.update(CycleOutcome(4, 1, 0, 0.093, 0.124, 5))
         return g
 

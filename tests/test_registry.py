@@ -38,8 +38,7 @@ def registered():
 
     register_drafter(DrafterSpec("test-repeat", (), build, help="test only"))
     register_policy(PolicySpec("test-repeat", "test only: repeat drafts", drafter="test-repeat", in_bench=False))
-    yield built
-    del POLICIES["test-repeat"], DRAFTERS["test-repeat"]
+    yield built  # conftest's _registries takes both rows out again
 
 
 def test_registered_policy_plans_from_the_table(registered):
@@ -90,3 +89,50 @@ def test_spec_of_any_draft_role_is_a_policy():
         with pytest.raises(InputError, match="unknown policy"):
             check_policy(bad)
     assert set(DRAFTERS) == before  # looking policies up registers nothing (no suffix+ngram, no zz9)
+
+
+class AlternatingPlanner:
+    """Test-only planner: q4 drafts for one prompt, the parent alone for the next; it hears every answer."""
+
+    def __init__(self):
+        self.observed = []
+
+    def plan(self, ctx):
+        from specquant_cli.routing.policies import Plan
+
+        draft = "q4" if len(self.observed) % 2 == 0 else None
+        return Plan(ctx.policy, ctx.tier, "f16", draft, "fixed" if draft else "none", why="alternating")
+
+    def observe(self, answer):
+        self.observed.append((answer.plan.draft, answer.last.new_tokens))
+
+
+def test_a_registered_planner_plans_and_hears_every_answer(family):
+    """A planner is one class plus one table row; the session keeps one per policy, so it learns across
+    answers, and its plans run losslessly like any other."""
+    from specquant_cli.routing.router import Router
+    from specquant_cli.runtime import Runtime
+    from specquant_cli.session import ChatSession
+
+    register_policy(PolicySpec("test-planner", "test only: alternating plans", planner=AlternatingPlanner,
+                               roles=("q4",), in_bench=False))
+    rt = Runtime(family, n_ctx=512)
+    try:
+        session = ChatSession(rt, Router(), "test-planner", max_tokens=12)
+        texts = []
+        for _ in range(3):
+            answer, records = session.ask("Name three primary colors.", remember=False)
+            list(records)
+            texts.append(answer.text)
+        planner = rt.planner("test-planner")
+        assert [d for d, _ in planner.observed] == ["q4", None, "q4"] and len(set(texts)) == 1
+        assert rt.planner("test-planner") is planner and rt.planner("parent") is None
+    finally:
+        rt.close()
+
+
+def test_only_the_policy_table_names_the_auto_policy():
+    """Nothing outside the policy table (and the planner it names) asks whether a policy is "auto"."""
+    hits = [p.relative_to(REPO).as_posix() for p in (REPO / "specquant_cli").rglob("*.py")
+            if '"auto"' in p.read_text(encoding="utf-8")]
+    assert hits == ["specquant_cli/routing/policies.py"]

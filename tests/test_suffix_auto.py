@@ -118,9 +118,9 @@ def test_auto_plan_for_a_recipe_draft_loads_it_and_adapts_its_length():
     c.draft_step_s["q4i"] = 0.1 * 0.15
     plan = plan_for("auto", "medium", PlanContext("auto", "medium", 0.0, ("f16", "q4", "q8", "q4i"), c))
     assert plan.draft in ("q4i", "suffix+q4i") and plan.roles == ["f16", "q4i"]
-    assert plan.adaptive_gamma == (plan.draft == "q4i")  # a mix's model part adapts inside the drafter
+    assert plan.gamma_policy == ("calibrated" if plan.draft == "q4i" else "capped")  # a mix adapts inside the drafter
     plan = plan_for("auto", "medium", PlanContext("auto", "medium", 0.9, ("f16", "q4", "q8", "q4i"), c))
-    assert plan.draft == "suffix+q4i" and not plan.adaptive_gamma and plan.roles == ["f16", "q4i"]
+    assert plan.draft == "suffix+q4i" and plan.gamma_policy == "capped" and plan.roles == ["f16", "q4i"]
 
 
 def test_a_recipe_draft_must_clearly_beat_q4():

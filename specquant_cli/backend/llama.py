@@ -20,6 +20,7 @@ import numpy as np
 
 from specquant_cli.errors import InputError, LlamaError, VocabMismatchError
 from specquant_cli.names import LogitsMode
+from specquant_cli.settings import env
 
 PIECE_BUF_BYTES = 256  # one token's text; longer pieces get a buffer of their own
 META_BUF_BYTES = 1 << 16  # a metadata value (chat templates run to a few KiB)
@@ -73,8 +74,8 @@ def _default_log() -> None:
     """SPECQUANT_LLAMA_LOG=FILE keeps llama.cpp's log of model loading; otherwise it is dropped."""
     global _log_file
     init_backend()
-    if _log_file is None and os.environ.get("SPECQUANT_LLAMA_LOG"):
-        path = os.environ["SPECQUANT_LLAMA_LOG"]
+    if _log_file is None and env("SPECQUANT_LLAMA_LOG"):
+        path = env("SPECQUANT_LLAMA_LOG")
         try:
             _log_file = open(path, "a", encoding="utf-8")
         except OSError as e:
@@ -111,13 +112,13 @@ def check_threads(n: int, label: str) -> int:
 def default_threads() -> int:
     """SPECQUANT_THREADS when set (1 .. 4 x logical cores), else every core. On a machine shared with other
     busy processes, fewer threads than cores avoids llama.cpp's threads waiting on each other."""
-    env = os.environ.get("SPECQUANT_THREADS", "")
-    if not env:
+    raw = env("SPECQUANT_THREADS")
+    if not raw:
         return max(1, os.cpu_count() or 1)
-    shown = env if len(env) <= 24 else env[:24] + "…"
-    if not (env.isascii() and env.isdigit()):
+    shown = raw if len(raw) <= 24 else raw[:24] + "…"
+    if not (raw.isascii() and raw.isdigit()):
         raise InputError(f"SPECQUANT_THREADS={shown!r}: expected a positive integer")
-    n = int(env) if len(env) <= 9 else 10**9  # int() refuses 4300+ digits; anything this long is too many
+    n = int(raw) if len(raw) <= 9 else 10**9  # int() refuses 4300+ digits; anything this long is too many
     return check_threads(n, f"SPECQUANT_THREADS={shown}")
 
 
@@ -182,7 +183,7 @@ class Model:
         # can be reclaimed under memory management (measured: a 43-token prefill taking 4.2 s instead of
         # 0.35 s, one answer 17x slower), which makes both latency and every measurement erratic.
         # SPECQUANT_MMAP=1 maps them (faster start, shared between processes).
-        if not vocab_only and os.environ.get("SPECQUANT_MMAP", "") != "1":
+        if not vocab_only and env("SPECQUANT_MMAP") != "1":
             params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
         self._ptr = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
         if not self._ptr:

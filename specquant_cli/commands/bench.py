@@ -15,9 +15,7 @@ from specquant_cli.commands.options import (
     JsonOpt,
     RpcOpt,
     finite,
-    load_family,
     split_list,
-    warn_above_trained_ctx,
 )
 from specquant_cli.console import err, out_json
 from specquant_cli.routing.policies import bench_policies
@@ -56,8 +54,8 @@ def bench(
     from specquant_cli.decoding.sampling import SamplingParams
     from specquant_cli.family.fetch import INFLATION_NOTE
     from specquant_cli.routing.policies import check_policy
-    from specquant_cli.routing.router import Router, load_config
-    from specquant_cli.runtime import Runtime
+    from specquant_cli.session import open_session
+    from specquant_cli.settings import SessionSettings
     from specquant_cli.system.hardware import detect
 
     # Everything that can be checked is checked before a model loads: a long run must not fail at its end.
@@ -69,12 +67,12 @@ def bench(
         report.check_plot_available()
     cats = split_list(categories, "--categories", "category")
     items = datasets.load(dataset, cats, limit)
-    router_config = load_config(config)
-    fam = load_family(family)
-    warn_above_trained_ctx(fam, n_ctx)
     facts = detect()
-    runtime = Runtime(fam, n_ctx=n_ctx, gamma=gamma, facts=facts)
-    router = Router(router_config, runtime.count_tokens, max_tokens=n_ctx)
+    session = open_session(SessionSettings(family, n_ctx, gamma, router_config=config, facts=facts),
+                           say=lambda line: err.print(line, markup=False))
+    runtime, router, fam = session.runtime, session.router, session.runtime.family
+    for p in names:
+        check_policy(p, fam.roles())  # before a model loads
     datasets.check_lengths(items, router.check_length)
     sp = SamplingParams(temperature=temperature, seed=seed)
     t0 = time.perf_counter()

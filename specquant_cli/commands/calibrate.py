@@ -5,7 +5,7 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import CtxOpt, FamilyOpt, JsonOpt, RpcOpt, load_family
+from specquant_cli.commands.options import CtxOpt, FamilyOpt, JsonOpt, RpcOpt
 from specquant_cli.console import err, out_json
 
 
@@ -22,10 +22,11 @@ def calibrate(
     json_out: bool = JsonOpt,
     rpc: Optional[str] = RpcOpt,
 ) -> None:
-    from specquant_cli.runtime import Runtime
+    from specquant_cli.session import open_session
+    from specquant_cli.settings import SessionSettings
 
-    fam = load_family(family)
-    runtime = Runtime(fam, n_ctx=n_ctx)
+    runtime = open_session(SessionSettings(family, n_ctx)).runtime
+    fam = runtime.family
     try:
         c = runtime.calibration(force=force, require_save=True)  # unsaveable: refused before measuring
     finally:

@@ -15,8 +15,6 @@ from specquant_cli.commands.options import (
     SeedOpt,
     TemperatureOpt,
     TopPOpt,
-    load_family,
-    warn_above_trained_ctx,
 )
 from specquant_cli.console import err, out, out_json
 from specquant_cli.inputs import check_text, read_prompt, stdin_is_tty
@@ -56,9 +54,8 @@ def chat(
 ) -> None:
     from specquant_cli.decoding.sampling import SamplingParams
     from specquant_cli.routing.policies import check_policy
-    from specquant_cli.routing.router import Router, load_config
-    from specquant_cli.runtime import Runtime
-    from specquant_cli.session import ChatSession
+    from specquant_cli.session import open_session
+    from specquant_cli.settings import SessionSettings
 
     check_policy(policy)
     if system is not None:
@@ -67,12 +64,11 @@ def chat(
         check_text(s, "--stop")
     is_interactive = interactive or (not prompt and stdin_is_tty())
     prompts = [] if is_interactive else _prompts(prompt, each_line)
-    router_config = load_config(config)
-    fam = load_family(family)
-    warn_above_trained_ctx(fam, n_ctx)
-    runtime = Runtime(fam, n_ctx=n_ctx, gamma=gamma)
-    session = ChatSession(runtime, Router(router_config, runtime.count_tokens, max_tokens=n_ctx), policy,
-                          SamplingParams(temperature, top_k, top_p, seed), max_tokens, system, stop)
+    session = open_session(SessionSettings(family, n_ctx, gamma, policy=policy,
+                                           sampling=SamplingParams(temperature, top_k, top_p, seed),
+                                           max_tokens=max_tokens, system=system, stop=tuple(stop),
+                                           router_config=config), say=_warn)
+    runtime = session.runtime
     try:
         if is_interactive:
             _interactive(session, stats)
@@ -81,6 +77,10 @@ def chat(
                 _one(session, text, json_out, stats)
     finally:
         runtime.close()
+
+
+def _warn(line: str) -> None:
+    err.print(line, markup=False)
 
 
 def _prompts(prompt: Optional[list[str]], each_line: bool) -> list[str]:

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -18,6 +17,7 @@ from specquant_cli.commands.options import (
     warn_above_trained_ctx,
 )
 from specquant_cli.console import err, gib, out_json
+from specquant_cli.settings import env
 
 
 def register(app: typer.Typer) -> None:
@@ -45,7 +45,7 @@ def doctor(
     facts.build["selftest"] = st.to_dict() if st else None
     report = {"hardware": facts.to_dict(), "advice": hardware.advice(facts)}
     broken: dict[str, str] = {}
-    if family is not None or os.environ.get(FAMILY_ENV):
+    if family is not None or env(FAMILY_ENV):
         from specquant_cli.errors import FamilyError
 
         fam = load_family(family)
@@ -91,7 +91,7 @@ def _rpc_report(fam, n_ctx: int) -> Optional[dict]:
     """The --rpc workers' memory (probed; a worker that is down is an error), and with a family, the parent's
     layers over them (split by free memory) and whether it fits."""
     from specquant_cli.errors import ResourceError
-    from specquant_cli.names import PARENT_ROLE
+    from specquant_cli.family.roles import PARENT_ROLE
     from specquant_cli.system import rpc
 
     endpoints = rpc.configured()

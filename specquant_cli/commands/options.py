@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 from typing import Optional
 
 import typer
 
 from specquant_cli.routing.policies import DEFAULT_POLICY, policy_help
+from specquant_cli.settings import load_family  # noqa: F401  (commands take it from here with the options)
 
 FAMILY_ENV = "SPECQUANT_FAMILY"
 
@@ -32,7 +31,8 @@ def thread_bound(value: Optional[int]) -> Optional[int]:
     return value
 
 
-ThreadsOpt = typer.Option(0, "--threads", min=0, callback=thread_bound, help="Quantizer threads (0 = all cores)")
+# One meaning everywhere: 0 (the default) is every core, or $SPECQUANT_THREADS where llama.cpp runs.
+ThreadsOpt = typer.Option(0, "--threads", min=0, callback=thread_bound, help="Threads (0 = all cores)")
 SeedOpt = typer.Option(None, "--seed", min=0, max=2**64 - 1, help="Same seed, same sampled output")
 
 
@@ -62,27 +62,11 @@ def split_list(value: Optional[str], option: str, what: str) -> Optional[list[st
 def warn_above_trained_ctx(fam, n_ctx: int) -> None:
     """--ctx above the model's trained context works in llama.cpp, but quality degrades past it: say so."""
     from specquant_cli.console import err
+    from specquant_cli.settings import ctx_warning
 
-    trained = fam.hparams.get("context_length")
-    if trained and n_ctx > trained:
-        err.print(f"warning: --ctx {n_ctx} is above the model's trained context ({trained} tokens); "
-                  "answers past it degrade", markup=False)
-
-
-def load_family(path: Optional[Path]):
-    """The family at `path`, else at $SPECQUANT_FAMILY, else the demo family's folder."""
-    from specquant_cli.errors import FamilyError
-    from specquant_cli.family.manifest import DEFAULT_FAMILY_DIR, Family
-
-    env = os.environ.get(FAMILY_ENV)
-    root = path or (Path(env) if env else DEFAULT_FAMILY_DIR)
-    try:
-        return Family.load(root)
-    except FamilyError:
-        if path is None and not env:
-            raise FamilyError(f"no model family at {root}; fetch the demo family with: specquant pull smollm2-135m") \
-                from None
-        raise
+    warning = ctx_warning(fam, n_ctx)
+    if warning:
+        err.print(warning, markup=False)
 
 
 def rpc_endpoints(value: Optional[str]) -> Optional[str]:

@@ -6,7 +6,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from specquant_cli.commands.options import ConfigOpt, FamilyOpt, JsonOpt, PolicyOpt, RpcOpt, load_family
+from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, JsonOpt, PolicyOpt, RpcOpt
 from specquant_cli.console import err, out_json
 from specquant_cli.inputs import read_prompt
 
@@ -21,23 +21,19 @@ def route(
     family: Optional[Path] = FamilyOpt,
     policy: str = PolicyOpt,
     config: Optional[Path] = ConfigOpt,
+    n_ctx: int = CtxOpt,
     json_out: bool = JsonOpt,
     rpc: Optional[str] = RpcOpt,
 ) -> None:
     from specquant_cli.routing.policies import check_policy
-    from specquant_cli.routing.router import Router, load_config
-    from specquant_cli.runtime import Runtime
-    from specquant_cli.session import ChatSession
+    from specquant_cli.session import open_session
+    from specquant_cli.settings import SessionSettings
 
     check_policy(policy)
     text = read_prompt(prompt)
-    router_config = load_config(config)
-    fam = load_family(family)
-    runtime = Runtime(fam)
-    # a prompt longer than the model's trained context (or the default --ctx) fits no chat: refused early
-    limit = max(runtime.n_ctx, fam.hparams.get("context_length") or 0)
-    router = Router(router_config, runtime.count_tokens, max_tokens=limit)
-    session = ChatSession(runtime, router, policy)
+    # a prompt longer than the context (--ctx, as chat's) is refused before spaCy reads it
+    session = open_session(SessionSettings(family, n_ctx, policy=policy, router_config=config))
+    runtime, router = session.runtime, session.router
     # routing loads no model weights: the auto policy uses the cached calibration, or priors without one
     r, plan = session.plan(text, measure=False)
     calibrated = runtime.calibration(measure=False) is not None

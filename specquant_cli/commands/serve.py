@@ -5,7 +5,15 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, PolicyOpt, RpcOpt, load_family, thread_bound
+from specquant_cli.commands.options import (
+    ConfigOpt,
+    CtxOpt,
+    FamilyOpt,
+    PolicyOpt,
+    RpcOpt,
+    ThreadsOpt,
+    load_family,
+)
 
 API_KEY_ENV = "SPECQUANT_API_KEY"
 
@@ -42,8 +50,7 @@ def serve(
                                    help="New tokens for a request that sets no max_tokens"),
     max_body: int = typer.Option(1 << 20, "--max-body", min=1024, help="Largest request body in bytes (413 above)"),
     gamma: int = typer.Option(4, "--gamma", min=1, max=16, help="Draft length (initial, for adaptive)"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, callback=thread_bound,
-                                          help="llama.cpp threads (default: all cores)"),
+    threads: int = ThreadsOpt,
     n_ctx: int = CtxOpt,
     config: Optional[Path] = ConfigOpt,
     rpc: Optional[str] = RpcOpt,
@@ -53,5 +60,6 @@ def serve(
     offered = [p.strip() for p in policies.split(",") if p.strip()] if policies else []
     opts = ServeOptions(policy=policy, policies=offered, host=host, port=port, api_key=api_key or None,
                         max_queue=queue, max_tokens=max_tokens, max_body=max_body, parallel=parallel)
-    svc = build_service(load_family(family), opts, n_ctx=n_ctx, gamma=gamma, threads=threads, router_config=config)
+    svc = build_service(load_family(family), opts, n_ctx=n_ctx, gamma=gamma, threads=threads or None,
+                        router_config=config)
     run(svc, opts)

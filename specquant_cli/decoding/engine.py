@@ -55,7 +55,7 @@ class Engine:
                  verifier: Optional[Verifier] = None):
         self.parent = parent
         self.drafter = drafter
-        self.gamma = gamma if gamma is not None else FixedGamma(DEFAULT_GAMMA if drafter else 0)
+        self.gamma_policy = gamma if gamma is not None else FixedGamma(DEFAULT_GAMMA if drafter else 0)
         self.sp = sampling
         self.rng = sampling.rng()
         self.verifier = verifier or LinearVerifier(sampling, self.rng)
@@ -89,10 +89,10 @@ class Engine:
         self._prefill(seq)
         while st.new_tokens < max_tokens:
             room = max_tokens - st.new_tokens - 1  # the cycle's own token always fits
-            g = min(self.gamma.draft_length(), room) if self.drafter else 0
+            g = min(self.gamma_policy.draft_length(), room) if self.drafter else 0
             draft, draft_s, source = self._draft(seq, g)
             outcome = self._verify(seq, draft, draft_s)
-            self.gamma.update(outcome)
+            self.gamma_policy.update(outcome)
             if self.drafter is not None:
                 self.drafter.feedback(seq, outcome)
             for i, tok in enumerate(draft.tokens[:outcome.accepted] + [outcome.next_token]):

@@ -1,12 +1,19 @@
-"""Draft length: fixed, or adapted from observed acceptance and measured costs.
+"""Draft length (γ, `gamma`): fixed, or adapted from observed acceptance and measured costs.
 
-Cost model of one cycle with draft length g: g draft steps + one parent call on g+1 tokens.
-With per-token acceptance a, a cycle yields E(a, g) = (1 - a^(g+1)) / (1 - a) tokens.
-The adaptive controller picks the g in [0, g_max] with the most expected tokens per second.
-Both classes implement `protocols.GammaPolicy`: `draft_length()` is pure, `update()` changes state."""
+Cost model of one cycle with draft length γ: γ draft steps + one parent call on γ+1 tokens.
+With per-token acceptance a, a cycle yields E(a, γ) = (1 - a^(γ+1)) / (1 - a) tokens.
+
+The pieces every draft-length decision shares live here, once: `Acceptance` (the decayed estimate of
+per-token acceptance) and `best_draft_length` (the γ with the most tokens per unit of cost, with a
+`TIE_MARGIN` against longer drafts). The adaptive controller (`AdaptiveGamma`), the suffix drafter's
+per-draft length and the auto planner's predictions all use them.
+
+The policies implement `protocols.GammaPolicy`: `draft_length()` (the γ to draft now) is pure, `update()`
+changes state. The protocol keeps the name `draft_length`: it reads as the question the engine asks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 from specquant_cli.decoding.protocols import CycleOutcome
@@ -20,6 +27,8 @@ CALIBRATED_PRIOR_COUNTS = 16.0
 # A longer draft must promise at least this much more throughput than a shorter one to be chosen:
 # on near ties the shorter draft wastes less when the estimate is off.
 TIE_MARGIN = 1.01
+# Draft-free drafters (suffix) size each draft themselves, up to this.
+SUFFIX_GAMMA_MAX = 32
 
 
 def verify_shape(n: int) -> float:
@@ -50,22 +59,52 @@ def expected_tokens(alpha: float, g: int) -> float:
     return (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
 
 
+def best_draft_length(rate: Callable[[int], float], gamma_max: int) -> tuple[int, float]:
+    """The draft length γ in 0..gamma_max with the highest `rate(γ)` (tokens per unit of cost), and that rate.
+    A longer γ replaces the best shorter one only when it promises TIE_MARGIN more (on near ties the shorter
+    draft wastes less when the estimate is off); γ = 0 is the parent alone."""
+    best, best_rate = 0, rate(0)
+    for gamma in range(1, gamma_max + 1):
+        r = rate(gamma)
+        if r > best_rate * TIE_MARGIN:
+            best, best_rate = gamma, r
+    return best, best_rate
+
+
+class Acceptance:
+    """Per-token acceptance as decayed counts of accepted draft tokens and of rejections (one per cycle that
+    stopped short), so alpha = acc / (acc + rej) is the per-token acceptance of a geometric model — each
+    drafted token is kept with probability alpha until the first rejection — which is exactly the model
+    behind E(alpha, γ). Decay lets it follow a drift within an answer. The prior counts as `weight`
+    observed tokens."""
+
+    def __init__(self, prior: float = 0.5, weight: float = PRIOR_PSEUDO_COUNTS, decay: float = 0.85):
+        self.acc, self.rej = prior * weight, (1 - prior) * weight
+        self.decay = decay
+
+    @property
+    def alpha(self) -> float:
+        return self.acc / max(1e-9, self.acc + self.rej)
+
+    def observe(self, accepted: int, proposed: int) -> None:
+        """One cycle: `accepted` of `proposed` drafted tokens kept (nothing to learn from a cycle without)."""
+        if proposed:
+            self.acc = self.decay * self.acc + accepted
+            self.rej = self.decay * self.rej + (1 if accepted < proposed else 0)
+
+
 class AdaptiveGamma:
-    """EMA estimates of acceptance, draft cost per token and verify cost per batch size.
+    """γ from EMA estimates of acceptance (`Acceptance`), draft cost per token and verify cost per batch
+    size: after every cycle, the γ in 0..gamma_max with the most expected tokens per second."""
 
-    Why this estimator: acceptance is tracked as decayed counts of accepted tokens and of rejections
-    (one per cycle that stopped short), so alpha = acc / (acc + rej) is the per-token acceptance of a
-    geometric model — each drafted token is kept with probability alpha until the first rejection —
-    which is exactly the model behind E(alpha, g). Decay lets it follow a drift within an answer."""
-
-    def __init__(self, g_max: int = 8, g_init: int = 4, decay: float = 0.85, probe_every: int = 16,
+    def __init__(self, gamma_max: int = 8, gamma_init: int = 4, decay: float = 0.85, probe_every: int = 16,
                  alpha_prior: float = 0.5, verify_prior: Optional[dict[int, float]] = None,
                  draft_prior: Optional[float] = None, prior_counts: float = PRIOR_PSEUDO_COUNTS):
-        self.g_max = g_max
-        self.gamma = g_init
+        self.gamma_max = gamma_max
+        self.gamma = gamma_init
         self.decay = decay
         self.probe_every = probe_every
-        self.acc, self.rej = alpha_prior * prior_counts, (1 - alpha_prior) * prior_counts
+        self.acceptance = Acceptance(alpha_prior, prior_counts, decay)
         self.t_draft: Optional[float] = draft_prior
         self.t_verify: dict[int, float] = dict(verify_prior or {})
         self._since_draft = 0
@@ -73,16 +112,14 @@ class AdaptiveGamma:
 
     @property
     def alpha(self) -> float:
-        return self.acc / max(1e-9, self.acc + self.rej)
+        return self.acceptance.alpha
 
     def _ema(self, old: Optional[float], new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def update(self, outcome: CycleOutcome) -> None:
         if outcome.proposed:
-            rejected = 1 if outcome.accepted < outcome.proposed else 0
-            self.acc = self.decay * self.acc + outcome.accepted
-            self.rej = self.decay * self.rej + rejected
+            self.acceptance.observe(outcome.accepted, outcome.proposed)
             self.t_draft = self._ema(self.t_draft, outcome.draft_s / outcome.proposed)
         self.t_verify[outcome.scored] = self._ema(self.t_verify.get(outcome.scored), outcome.verify_s)
         self.gamma = self._choose()
@@ -104,16 +141,15 @@ class AdaptiveGamma:
     def _choose(self) -> int:
         if self.t_draft is None or not self.t_verify:
             return self.gamma
-        best, best_rate = 0, 0.0
-        for g in range(0, self.g_max + 1):
-            cost = g * self.t_draft + (self._verify_cost(g + 1) or 0.0)
-            rate = expected_tokens(self.alpha, g) / max(cost, 1e-9)
-            if rate > best_rate * TIE_MARGIN:
-                best, best_rate = g, rate
-        return best
+        alpha, t_draft = self.alpha, self.t_draft
+
+        def rate(gamma: int) -> float:
+            return expected_tokens(alpha, gamma) / max(gamma * t_draft + (self._verify_cost(gamma + 1) or 0.0), 1e-9)
+
+        return best_draft_length(rate, self.gamma_max)[0]
 
     def draft_length(self) -> int:
         return 1 if self.gamma == 0 and self._probe else self.gamma
 
     def __repr__(self) -> str:
-        return f"adaptive(g={self.gamma}, alpha={self.alpha:.2f})"
+        return f"adaptive(gamma={self.gamma}, alpha={self.alpha:.2f})"

@@ -9,6 +9,7 @@ from typing import Optional, Protocol
 
 from specquant_cli.decoding.protocols import Drafter, TokenContext
 from specquant_cli.errors import InputError
+from specquant_cli.family.roles import builtin_draft_roles, draft_roles
 
 # Prompt tokens the adaptive policy's late-woken drafter reads when it cannot import the parent's cache.
 # Only there: a window bounds the draft's prefill but costs acceptance on long documents (Spec-Bench
@@ -32,7 +33,7 @@ class DraftHost(Protocol):
         """A parent call on n tokens relative to one token (measured, or the prior shape)."""
         ...
 
-    def model_gamma(self, role: str, g_init: int):
+    def model_gamma(self, role: str, gamma_init: int):
         """An adaptive γ policy for `role`'s drafts, seeded with this machine's measured costs."""
         ...
 
@@ -108,12 +109,6 @@ for _spec in (
     DrafterSpec("q4", ("q4",), _model("q4"), help="the q4 variant drafts (imports the parent's KV cache)"),
     DrafterSpec("q4-prefill", ("q4",), _model("q4", kv_import=False), help="the q4 variant drafts, own prefill"),
     DrafterSpec("q8", ("q8",), _model("q8"), help="the q8 variant drafts"),
-    # Draft recipes (family.recipes; specquant quantize --types q4i,q4s,q3g,q3g30): any role drafts the same way.
-    DrafterSpec("q4i", ("q4i",), _model("q4i"), help="the q4i variant (imatrix Q4_0) drafts"),
-    DrafterSpec("q4s", ("q4s",), _model("q4s"), help="the q4s variant (Q4_0, embeddings/output Q4_0) drafts"),
-    DrafterSpec("q4si", ("q4si",), _model("q4si"), help="the q4si variant (q4s with the imatrix) drafts"),
-    DrafterSpec("q3g", ("q3g",), _model("q3g"), help="the q3g variant (graded, ~3.5 bits per weight) drafts"),
-    DrafterSpec("q3g30", ("q3g30",), _model("q3g30"), help="the q3g30 variant (graded, ~3.0 bits per weight) drafts"),
     DrafterSpec("ngram+q4", ("q4",), _ngram_then_q4,
                 help="n-gram drafts when the context offers them, q4 drafts after 32 tokens otherwise"),
     DrafterSpec("suffix", (), _suffix, persistent=True,
@@ -133,18 +128,20 @@ def register_role_drafters(role: str) -> None:
                                      help=f"suffix drafts on copy runs, {role} drafts (own adaptive length) elsewhere"))
 
 
-for _role in ("q4", "q8", "q4i", "q4s", "q4si", "q3g", "q3g30"):
+for _role in builtin_draft_roles():
     register_role_drafters(_role)
 
 
-def family_draft_roles(roles, parent: str) -> list[str]:
-    """A family's roles that draft as models of their own name, their drafters registered first."""
-    for r in roles:
-        if r != parent:
-            register_role_drafters(r)
+def register_family_drafters(roles) -> list[str]:
+    """The one call that registers an opened family's role drafters (Runtime makes it when it opens a family):
+    every draft role gets `register_role_drafters`. Returns `model_draft_roles(roles)`."""
+    for r in draft_roles(roles):
+        register_role_drafters(r)
     return model_draft_roles(roles)
 
 
 def model_draft_roles(roles) -> list[str]:
-    """Those of `roles` that draft as a model of their own name (q4, q8, the recipe roles), in `roles`' order."""
-    return [r for r in roles if r in DRAFTERS and DRAFTERS[r].roles == (r,)]
+    """Those of `roles` whose registered drafter of the same name is that role's model (q4, q8, the recipes, a
+    registered family's own roles; not a role that happens to be named like another drafter), parent first
+    order (family.roles.ordered)."""
+    return [r for r in draft_roles(roles) if r in DRAFTERS and DRAFTERS[r].roles == (r,)]

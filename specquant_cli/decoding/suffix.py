@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 from specquant_cli.decoding.drafters import DrafterBase
-from specquant_cli.decoding.gamma import expected_tokens, verify_shape
+from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX, Acceptance, best_draft_length, expected_tokens, verify_shape
 from specquant_cli.decoding.protocols import CycleOutcome, Draft
 
 MAX_K = 8  # longest indexed k-gram; longer matches are measured by extending backwards
@@ -38,17 +38,16 @@ class SuffixDrafter(DrafterBase):
     name = "suffix"
     source = "suffix"
 
-    def __init__(self, max_draft: int = 32, verify_cost: Optional[Callable[[int], float]] = None,
+    def __init__(self, gamma_max: int = SUFFIX_GAMMA_MAX, verify_cost: Optional[Callable[[int], float]] = None,
                  min_prob: float = 0.3):
-        self.max_draft = max_draft
+        self.gamma_max = gamma_max
         self.verify_cost = verify_cost or verify_shape  # relative cost of a parent call on n tokens
         self.min_prob = min_prob
         self.store: list[int] = []
         self.index: dict[tuple, list[int]] = defaultdict(list)
         self._doc_start = 0  # where the current sequence starts in the store
         self._doc_len = 0  # how much of the current sequence is stored
-        self.acc = [a * PRIOR_WEIGHT for a in PRIOR_ALPHA]
-        self.rej = [(1 - a) * PRIOR_WEIGHT for a in PRIOR_ALPHA]
+        self.acceptance = [Acceptance(a, PRIOR_WEIGHT, DECAY) for a in PRIOR_ALPHA]  # per match-length bucket
         self._last_bucket: Optional[int] = None
 
     # -- the store ------------------------------------------------------------------------------
@@ -127,12 +126,9 @@ class SuffixDrafter(DrafterBase):
         return out
 
     def _best_length(self, alpha: float, available: int, n: int) -> int:
-        best, best_rate = 0, 1.0 / self.verify_cost(1)
-        for g in range(1, min(n, available) + 1):
-            rate = expected_tokens(alpha, g) / self.verify_cost(g + 1)
-            if rate > best_rate * 1.01:
-                best, best_rate = g, rate
-        return best
+        """The draft length worth its parent call: no draft model, so the cost is the verify call alone."""
+        return best_draft_length(lambda gamma: expected_tokens(alpha, gamma) / self.verify_cost(gamma + 1),
+                                 min(n, available))[0]
 
     def propose(self, seq: Sequence[int], n: int, sp=None, rng=None) -> Draft:
         self._extend(seq)
@@ -142,18 +138,14 @@ class SuffixDrafter(DrafterBase):
         match_len, cands = self._match(seq)
         if match_len < MIN_MATCH:
             return Draft()
-        tokens = self._walk(cands, min(n, self.max_draft))
+        tokens = self._walk(cands, min(n, self.gamma_max))
         b = _bucket(match_len)
-        alpha = self.acc[b] / (self.acc[b] + self.rej[b])
-        g = self._best_length(alpha, len(tokens), n)
+        g = self._best_length(self.acceptance[b].alpha, len(tokens), n)
         if g == 0:
             return Draft()
         self._last_bucket = b
         return Draft(tokens[:g])
 
     def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
-        b = self._last_bucket
-        if b is None or not outcome.proposed:
-            return
-        self.acc[b] = DECAY * self.acc[b] + outcome.accepted
-        self.rej[b] = DECAY * self.rej[b] + (1 if outcome.accepted < outcome.proposed else 0)
+        if self._last_bucket is not None:
+            self.acceptance[self._last_bucket].observe(outcome.accepted, outcome.proposed)

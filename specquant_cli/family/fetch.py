@@ -19,6 +19,7 @@ from typing import Optional
 from specquant_cli.errors import FamilyError, InputError, ModelFileError
 from specquant_cli.family.ggufio import dequantize_to_f16, read_info
 from specquant_cli.family.manifest import Family
+from specquant_cli.family.roles import BUILTIN_ROLES
 from specquant_cli.fsutil import atomic_path, check_folder_writable, remove_stale, sha256_file
 
 INFLATION_NOTE = (
@@ -144,7 +145,7 @@ def fetch_origin(spec: FamilySpec, workdir: Path, progress: Optional[Progress] =
     return origin, source
 
 
-def present(root: Path, roles: tuple[str, ...] = ("q4", "q8", "f16")) -> Optional[Family]:
+def present(root: Path, roles: tuple[str, ...] = BUILTIN_ROLES) -> Optional[Family]:
     """The family at root when it has every role and its files all check out (path, size, GGUF header and
     sha256), else None."""
     if not Path(root).is_dir():

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import FamilyError, ModelFileError
+from specquant_cli.family.roles import PARENT_ROLE, ordered
 from specquant_cli.fsutil import TEMP_RE, fsync_dir, sha256_file, write_bytes_atomic, write_json_atomic
 
 MANIFEST = "manifest.json"
@@ -37,9 +38,6 @@ JOURNAL = ".specquant-commit.json"
 UNUSABLE_JOURNAL = JOURNAL + ".unusable"  # a journal that did not check out, set aside
 LOCK = ".specquant.lock"
 RESERVED = {MANIFEST, PREV_MANIFEST, JOURNAL, UNUSABLE_JOURNAL, LOCK, "manifest.json.unusable"}
-PARENT_ROLE = "f16"
-ROLES = ("q4", "q8", "f16")
-DEFAULT_FAMILY_DIR = Path("models") / "smollm2-135m"
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest is a few KiB; anything this large is not one
 
 
@@ -492,8 +490,8 @@ class Family:
         return self.manifest.get("hparams", {})
 
     def roles(self) -> list[str]:
-        return [r for r in ROLES if r in self.manifest["variants"]] + \
-               [r for r in self.manifest["variants"] if r not in ROLES]
+        """The family's roles, the parent first (family.roles.ordered)."""
+        return ordered(self.manifest["variants"])
 
     def variant(self, role: str) -> dict:
         v = self.manifest["variants"].get(role)

@@ -27,7 +27,7 @@ from typing import Optional
 from specquant_cli.errors import FamilyError, InputError, LlamaError, ModelFileError, ResourceError
 from specquant_cli.family import grade as grading
 from specquant_cli.family.grade import LADDER
-from specquant_cli.names import ROLE_RE
+from specquant_cli.family.roles import check_role
 
 ProgressFn = Callable[[str, int, int], None]  # (stage label, done, total)
 LOG = "quantize.log"
@@ -60,7 +60,7 @@ class Recipe:
 
 RECIPES = {r.role: r for r in (
     Recipe("q4i", imatrix=True, help="Q4_0 weighted by the activation importance matrix"),
-    Recipe("q4s", embeddings="q4_0", help="Q4_0 with token embeddings and output at Q4_0 too (smaller)"),
+    Recipe("q4s", embeddings="q4_0", help="Q4_0 with token embeddings and output at Q4_0 too"),
     Recipe("q4si", imatrix=True, embeddings="q4_0", help="q4s weighted by the activation importance matrix"),
     Recipe("q3g", imatrix=True, grade=3.5, help="graded precision, ~3.5 bits per weight, imatrix-weighted"),
     Recipe("q3g30", imatrix=True, grade=3.0, help="graded precision, ~3.0 bits per weight, imatrix-weighted"),
@@ -69,20 +69,6 @@ RECIPES = {r.role: r for r in (
 
 def default_role(bpw: float) -> str:
     return f"q{int(bpw)}g{round(bpw * 10):02d}"
-
-
-ROLE_RULE = ("a role name starts with a lower-case letter, then up to 31 lower-case letters, digits or _, and "
-             "is not a quantization type or a built-in role (f16, bf16, q4, q8)")
-
-
-def check_role(role: str) -> str:
-    from specquant_cli.family.quantize import QUANT_TYPES
-
-    if not role:
-        raise InputError(f"--role is empty: {ROLE_RULE}")
-    if not ROLE_RE.match(role) or role in QUANT_TYPES or role in ("f16", "bf16", "q4", "q8"):
-        raise InputError(f"--role {role!r}: {ROLE_RULE}")
-    return role
 
 
 def split_types(types: str, grade: Optional[float] = None, role: Optional[str] = None,

@@ -1,6 +1,6 @@
-"""The `auto` policy: per prompt, predict each candidate plan's decode-phase speedup over the parent from
-this machine's measured costs (system.calibration), the prompt's route and its copy potential, and run
-the best one; never a plan predicted below 1.0x (the parent alone is the floor).
+"""The `auto` policy's planner (`AutoPlanner`): per prompt, predict each candidate plan's decode-phase
+speedup over the parent from this machine's measured costs (system.calibration), the prompt's route and
+its copy potential, and run the best one; never a plan predicted below 1.0x (the parent alone is the floor).
 
 Predictions start from priors and follow what the session measures: after each answer the measured
 speedup of the plan that ran updates that plan's estimate for the tier. Within an answer, the model
@@ -15,7 +15,9 @@ from typing import Optional
 
 import numpy as np
 
-from specquant_cli.decoding.gamma import expected_tokens, verify_shape
+from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX, best_draft_length, expected_tokens, verify_shape
+from specquant_cli.family.roles import PARENT_ROLE, STANDARD_DRAFTS
+from specquant_cli.routing.policies import Plan, PlanContext
 
 # Per-token acceptance prior of a q4 draft with the parent's own KV cache (Spec-Bench on the 1.5B
 # family: 89 %; lower on a true F16 base, see the provenance caveat), and of q8.
@@ -28,7 +30,7 @@ DRAFT_RATIO_PRIOR = {"q4": 0.4, "q8": 0.7}  # a draft step relative to a one-tok
 COPY_GAIN = 2.5
 COPY_SCORED = 5  # tokens per parent call behind COPY_GAIN (3.3-3.6 kept + the parent's own + a miss)
 LEARN_RATE = 0.3  # weight of one measured answer in the session's estimate
-MAX_GAMMA = 8
+GAMMA_MAX = 8  # the longest model draft a prediction considers
 # A model draft must be predicted this much above the parent to run: the cost model uses the fastest of
 # several calibration timings, so it is optimistic by a few percent. Draft-free drafts need no margin: when nothing
 # matches they propose nothing and the cycle is a plain parent step.
@@ -37,7 +39,6 @@ MODEL_MARGIN = 1.03
 # above q4's plan of the same kind to replace it: with six drafts to choose from, the best-looking of several
 # small-sample estimates is optimistic (the winner's curse).
 RECIPE_MARGIN = 1.03
-STANDARD_DRAFTS = ("q4", "q8")
 
 
 def copy_potential(tokens: Sequence[int], n: int = 3) -> float:
@@ -67,6 +68,12 @@ class Candidate:
     needs: float = 1.0  # predicted speedup it must reach to run (MODEL_MARGIN for model drafts)
     model: bool = False  # a model drafts alone (its draft length adapts within the answer)
 
+    @property
+    def gamma_policy(self) -> str:
+        """How the plan's draft length is chosen (routing.policies.GammaPolicyKind): a model alone adapts from
+        the calibration, suffix drafts (alone or mixed) size their own drafts up to a cap."""
+        return "none" if self.drafter is None else "calibrated" if self.model else "capped"
+
 
 @dataclass
 class AutoState:
@@ -82,13 +89,14 @@ class AutoState:
 def _model_speedup(alpha: float, draft_cost, verify_cost, per_cycle=None) -> tuple[float, int]:
     """Best predicted decode speedup over draft lengths, with the tokens a cycle yields taken from the
     calibration's measured runs when there are some, else from the geometric model E(alpha, g)."""
-    best, best_g = 1.0, 0
-    for g in range(1, MAX_GAMMA + 1):
-        tokens = per_cycle[g - 1] if per_cycle and len(per_cycle) >= g else expected_tokens(alpha, g)
-        s = tokens / (draft_cost(g) + verify_cost(g + 1))
-        if s > best * 1.01:
-            best, best_g = s, g
-    return best, best_g
+    def speedup(gamma: int) -> float:
+        if gamma == 0:
+            return 1.0  # the parent alone, by definition
+        tokens = per_cycle[gamma - 1] if per_cycle and len(per_cycle) >= gamma else expected_tokens(alpha, gamma)
+        return tokens / (draft_cost(gamma) + verify_cost(gamma + 1))
+
+    gamma, best = best_draft_length(speedup, GAMMA_MAX)
+    return best, gamma
 
 
 def copy_gain(calibration) -> float:
@@ -111,8 +119,8 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
     vc = calibration.verify_cost if calibration else verify_shape
     out = [Candidate("parent", None, 1.0, 0, "the floor: F16 alone")]
     suffix = 1.0 / (copy / copy_gain(calibration) + (1.0 - copy))
-    out.append(Candidate("suffix", "suffix", suffix, 32, f"draft-free, nothing lost when nothing matches: copy "
-                                                       f"potential {copy:.2f}"))
+    out.append(Candidate("suffix", "suffix", suffix, SUFFIX_GAMMA_MAX,
+                         f"draft-free, nothing lost when nothing matches: copy potential {copy:.2f}"))
     measured = calibration.draft_step_s if calibration else {}
     for role in model_draft_roles(roles):
         if role not in measured and role not in ALPHA_PRIOR:
@@ -157,3 +165,34 @@ def choose(cands: list[Candidate]) -> Candidate:
     if not ok:
         return next(c for c in cands if c.drafter is None)
     return max(ok, key=lambda c: (round(c.predicted, 3), "suffix" in c.name))  # ties: the free drafts too
+
+
+class AutoPlanner:
+    """The auto policy's planner (routing.policies.Planner): `plan` predicts every candidate from the context
+    and runs the best; `observe` feeds the decode speedup an answer achieved (vs the calibrated parent step)
+    back into the session's estimate for its tier and plan."""
+
+    MIN_OBSERVED_TOKENS = 8  # a shorter answer's speed is mostly noise
+
+    def __init__(self):
+        self.state = AutoState()
+        self._calibration = None  # the costs the last plan was made with
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        self._calibration = ctx.calibration
+        cands = candidates(ctx.tier or "high", ctx.copy, ctx.roles, ctx.calibration, self.state)
+        best = choose(cands)
+        why = f"{best.name} predicted {best.predicted:.2f}x ({best.source}): {best.why}"
+        if best.drafter is None:
+            why = "no candidate predicted above 1.0x: " + why
+        return Plan(ctx.policy, ctx.tier, PARENT_ROLE, best.drafter, gamma_policy=best.gamma_policy,
+                    gamma_cap=SUFFIX_GAMMA_MAX if best.gamma_policy == "capped" else None,
+                    candidates=tuple({"plan": c.name, "predicted_speedup": round(c.predicted, 3), "gamma": c.gamma,
+                                      "why": c.why, "source": c.source} for c in cands), why=why)
+
+    def observe(self, answer) -> None:
+        cal, rec = self._calibration, answer.last
+        if cal is None or rec is None or rec.new_tokens < self.MIN_OBSERVED_TOKENS:
+            return
+        self.state.observe(answer.route.tier, answer.plan.draft or "parent",
+                           rec.decode_tokens_per_s * cal.parent_call_s[1])

@@ -1,37 +1,52 @@
-"""Policies: which model generates (the target) and what drafts for it, per routed tier.
+"""Policies: which model generates (the target) and what drafts for it, per routed tier or per prompt.
 
 One table (`POLICIES`, filled by `register_policy`) from which the policy list, the `--policy` help, the
-bench's default set, each plan's roles and the README's policy table are derived."""
+bench's default set, each plan's roles and the README's policy table are derived.
+
+A policy either maps the route to a plan by its row (`drafter`, `by_tier`), or names a `Planner` that
+decides per prompt and learns from each answer (`auto`). A `Plan` says what runs — the target role, the
+drafter, and how the draft length γ is chosen (`GammaPolicyKind`) — so the runtime builds it without
+asking which policy made it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Literal, Optional, Protocol
 
+from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX
 from specquant_cli.decoding.registry import drafter_spec
 from specquant_cli.errors import InputError
-from specquant_cli.names import PARENT_ROLE, ROLE_RE, TIERS, Tier
+from specquant_cli.family.roles import PARENT_ROLE, STANDARD_DRAFTS, is_role_name
+from specquant_cli.names import TIERS, Tier
+
+# How a plan's draft length γ is chosen (Runtime.engine builds the matching decoding.gamma policy):
+# none: no drafter; fixed: the session's --gamma; adaptive: adapted to measured costs and acceptance, from
+# priors; calibrated: adaptive, seeded with this machine's calibration for the draft role; capped: the
+# drafter sizes each draft itself, up to `gamma_cap`.
+GammaPolicyKind = Literal["none", "fixed", "adaptive", "calibrated", "capped"]
 
 
 @dataclass(frozen=True)
 class PolicySpec:
     """name; help (one line, the README's "what runs"); target: the role that generates; drafter: a name in
     decoding.registry.DRAFTERS (None: the target alone); by_tier: drafter per routed tier, overriding
-    `drafter` (the paper's mapping); adaptive_gamma: draft length follows measured costs and acceptance;
-    lossy: the output is not the parent's; in_bench: part of `specquant bench`'s default set."""
+    `drafter` (the paper's mapping); gamma_policy: how the draft length is chosen (GammaPolicyKind), up to
+    gamma_cap for "capped"; lossy: the output is not the parent's; in_bench: part of `specquant bench`'s
+    default set; planner: a factory of the `Planner` that decides per prompt instead of the row; roles: the
+    roles that planner may pick (loaded up front by the bench)."""
 
     name: str
     help: str
     target: str = PARENT_ROLE
     drafter: Optional[str] = None
     by_tier: Optional[dict[str, Optional[str]]] = None
-    adaptive_gamma: bool = False
+    gamma_policy: GammaPolicyKind = "fixed"
     lossy: bool = False
     in_bench: bool = True
-    gamma_cap: Optional[int] = None  # draft-free drafters size their own drafts up to this
-    planner: Optional[Callable[[PlanContext], Plan]] = None  # decides per prompt (auto)
-    roles: tuple[str, ...] = ()  # roles a planner may pick (loaded up front by the bench)
+    gamma_cap: Optional[int] = None
+    planner: Optional[Callable[[], Planner]] = None
+    roles: tuple[str, ...] = ()
 
     def drafter_for(self, tier: Optional[Tier]) -> Optional[str]:
         if self.by_tier is not None:
@@ -50,29 +65,40 @@ DEFAULT_POLICY = "auto"
 
 @dataclass
 class PlanContext:
-    """What a planner sees of one prompt: its route, copy potential, the family's roles, this machine's
-    measured costs (None: uncalibrated) and what the session has measured so far."""
+    """What a planner sees of one prompt: its route, copy potential, the roles it may pick (the family's,
+    those that fit) and this machine's measured costs (None: uncalibrated). What the session has measured
+    so far is the planner's own state."""
 
     policy: str
     tier: Optional[Tier]
     copy: float = 0.0
     roles: tuple[str, ...] = ()
     calibration: object = None
-    state: object = None
 
 
-def _auto(ctx: PlanContext) -> Plan:
-    from specquant_cli.routing import auto
+class Planner(Protocol):
+    """A policy that decides per prompt: `plan(context)` before an answer, `observe(answer)` after it (the
+    answer's plan, route and last record: what it achieved) — the policy-level twin of a drafter's `feedback`.
+    The runtime keeps one per policy for the session, so what it learns carries over to the next prompt.
+    Adding a planner is one module plus one row in the table below (`PolicySpec(..., planner=Factory)`)."""
 
-    cands = auto.candidates(ctx.tier or "high", ctx.copy, ctx.roles, ctx.calibration, ctx.state)
-    best = auto.choose(cands)
-    why = f"{best.name} predicted {best.predicted:.2f}x ({best.source}): {best.why}"
-    if best.drafter is None:
-        why = "no candidate predicted above 1.0x: " + why
-    return Plan(ctx.policy, ctx.tier, PARENT_ROLE, best.drafter, adaptive_gamma=best.model,
-                gamma_cap=32 if best.drafter and best.drafter.startswith("suffix") else None,
-                candidates=tuple({"plan": c.name, "predicted_speedup": round(c.predicted, 3), "gamma": c.gamma,
-                                  "why": c.why, "source": c.source} for c in cands), why=why)
+    def plan(self, context: PlanContext) -> Plan: ...
+
+    def observe(self, answer) -> None: ...
+
+
+def _auto_planner() -> Planner:
+    from specquant_cli.routing.auto import AutoPlanner  # imported when first used: numpy, the cost model
+
+    return AutoPlanner()
+
+
+def _recipe_policies() -> list[PolicySpec]:
+    """`spec-<recipe>` for every draft recipe of family.recipes (q4i, q4s, …), described by its recipe."""
+    from specquant_cli.family.recipes import RECIPES
+
+    return [PolicySpec(f"spec-{r.role}", f"`{r.role}` ({r.help}) drafts, F16 verifies", drafter=r.role, in_bench=False)
+            for r in RECIPES.values()]
 
 
 def register_policy(spec: PolicySpec) -> PolicySpec:
@@ -86,7 +112,7 @@ for _spec in (
     PolicySpec("auto", "per prompt, the plan with the best predicted speedup from this machine's measured "
                "costs, the route and the prompt's copy potential (parent, `suffix`, each model draft the family has — "
                "`q4`, `q8`, recipes such as `q4i` — and `suffix+<draft>`); "
-               "never one predicted below 1.0x", planner=_auto, roles=("q4", "q8")),
+               "never one predicted below 1.0x", planner=_auto_planner, roles=STANDARD_DRAFTS),
     PolicySpec("paper", "low → `q4` drafts, F16 verifies; medium → `q8` drafts, F16 verifies; high → F16 alone",
                by_tier={"low": "q4", "medium": "q8", "high": None}),
     PolicySpec("parent", "F16 alone"),
@@ -94,24 +120,16 @@ for _spec in (
     PolicySpec("spec-q8", "`q8` drafts, F16 verifies", drafter="q8"),
     PolicySpec("spec-q4-prefill", "`q4` drafts after its own prompt prefill (no KV import), F16 verifies",
                drafter="q4-prefill", in_bench=False),
-    PolicySpec("spec-q4i", "`q4i` (imatrix Q4_0) drafts, F16 verifies", drafter="q4i", in_bench=False),
-    PolicySpec("spec-q4s", "`q4s` (Q4_0 with Q4_0 embeddings and output) drafts, F16 verifies", drafter="q4s",
-               in_bench=False),
-    PolicySpec("spec-q4si", "`q4si` (`q4s` with the importance matrix) drafts, F16 verifies", drafter="q4si",
-               in_bench=False),
-    PolicySpec("spec-q3g", "`q3g` (graded precision, ~3.5 bits per weight) drafts, F16 verifies", drafter="q3g",
-               in_bench=False),
-    PolicySpec("spec-q3g30", "`q3g30` (graded precision, ~3.0 bits per weight) drafts, F16 verifies",
-               drafter="q3g30", in_bench=False),
+    *_recipe_policies(),
     PolicySpec("ngram", "prompt-lookup n-gram drafts (no model call), F16 verifies", drafter="ngram"),
     PolicySpec("suffix", "suffix-match drafts over the prompt, the answer and the session's earlier turns (no "
                "model call), draft length from match length and measured costs, F16 verifies", drafter="suffix",
-               gamma_cap=32),
+               gamma_policy="capped", gamma_cap=SUFFIX_GAMMA_MAX),
     PolicySpec("adaptive", "n-gram drafts (matches of 3+ tokens) when the context offers them; after 32 "
                "generated tokens `q4` drafts otherwise; draft length adapted to measured costs and acceptance",
-               drafter="ngram+q4", adaptive_gamma=True),
+               drafter="ngram+q4", gamma_policy="adaptive"),
     PolicySpec("quasar", "n-gram drafts verified by `q8`, draft length adapted", target="q8", drafter="ngram",
-               adaptive_gamma=True, lossy=True),
+               gamma_policy="adaptive", lossy=True),
     PolicySpec("q4", "the `q4` variant alone", target="q4", lossy=True),
     PolicySpec("q8", "the `q8` variant alone", target="q8", lossy=True),
 ):
@@ -120,13 +138,14 @@ for _spec in (
 
 @dataclass(frozen=True)
 class Plan:
-    """What runs for one prompt: the target role, the drafter (a registry name) and how γ is chosen."""
+    """What runs for one prompt: the target role, the drafter (a registry name) and how γ is chosen
+    (`gamma_policy`, up to `gamma_cap` when "capped"; "none" without a drafter)."""
 
     policy: str
     tier: Optional[Tier]
     target: str
     draft: Optional[str]
-    adaptive_gamma: bool = False
+    gamma_policy: GammaPolicyKind = "fixed"
     lossy: bool = False
     gamma_cap: Optional[int] = None
     candidates: tuple = field(default=(), compare=False)  # a planner's predictions, best first
@@ -163,7 +182,7 @@ def policy_spec(name: str) -> PolicySpec:
     if spec is not None:
         return spec
     role = name.removeprefix("spec-")
-    if role != name and ROLE_RE.match(role) and role != PARENT_ROLE:
+    if role != name and is_role_name(role) and role != PARENT_ROLE:
         from specquant_cli.decoding.registry import DRAFTERS
 
         taken = DRAFTERS.get(role)
@@ -181,17 +200,28 @@ def _drafter_roles(name: str) -> tuple[str, ...]:
     return spec.roles if spec is not None else (name,)
 
 
-def check_policy(name: str) -> str:
-    policy_spec(name)
+def check_policy(name: str, roles: Optional[Sequence[str]] = None) -> str:
+    """`name` is a policy (or `spec-<role>`); with a family's `roles`, also one that family can run: every role
+    its plans load, over every tier, is there (a planner picks among the family's roles itself)."""
+    spec = policy_spec(name)
+    if roles is not None and spec.planner is None:
+        missing = [r for r in all_roles([name]) if r not in roles]
+        if missing:
+            raise InputError(f"policy {name}: the family has no {' or '.join(map(repr, missing))} variant "
+                             f"(it has: {', '.join(roles)})")
     return name
 
 
-def plan_for(policy: str, tier: Optional[Tier], context: Optional[PlanContext] = None) -> Plan:
-    """The plan `policy` runs for a prompt of `tier`; a policy with a planner needs the `context`."""
+def plan_for(policy: str, tier: Optional[Tier], context: Optional[PlanContext] = None,
+             planner: Optional[Planner] = None) -> Plan:
+    """The plan `policy` runs for a prompt of `tier`. A policy with a planner asks `planner` (the session's,
+    which has learned from earlier answers; a fresh one when not given) with the `context`."""
     spec = policy_spec(policy)
     if spec.planner is not None:
-        return spec.planner(context or PlanContext(policy, tier))
-    return Plan(policy, tier, spec.target, spec.drafter_for(tier), spec.adaptive_gamma, spec.lossy, spec.gamma_cap)
+        return (planner or spec.planner()).plan(context or PlanContext(policy, tier))
+    drafter = spec.drafter_for(tier)
+    return Plan(policy, tier, spec.target, drafter, spec.gamma_policy if drafter else "none", spec.lossy,
+                spec.gamma_cap if drafter else None)
 
 
 def all_roles(policies: list[str]) -> list[str]:

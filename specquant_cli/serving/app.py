@@ -10,7 +10,6 @@ import asyncio
 import hmac
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -415,4 +414,6 @@ def _stderr(line: str) -> None:
 
 
 def _debug() -> bool:
-    return os.environ.get("SPECQUANT_DEBUG", "") not in ("", "0")
+    from specquant_cli.settings import debug
+
+    return debug()

@@ -15,10 +15,9 @@ from typing import Optional
 
 import uvicorn
 
-from specquant_cli.decoding.registry import family_draft_roles
+from specquant_cli.decoding.registry import register_family_drafters
 from specquant_cli.errors import InputError, ResourceError, SpecquantError
 from specquant_cli.family.manifest import MANIFEST
-from specquant_cli.names import PARENT_ROLE
 from specquant_cli.routing.policies import POLICIES, all_roles, check_policy, policy_spec
 from specquant_cli.serving.schemas import ApiError, GenerationParams
 from specquant_cli.serving.slots import MAX_PARALLEL, LockedRouter, Slots, parallel_for
@@ -157,9 +156,8 @@ def parent_rate(runtime) -> Optional[float]:
 def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: Optional[int],
                   router_config=None) -> Service:
     """Load every role the offered policies can use (placement-checked first) and warm the router."""
-    from specquant_cli.routing.router import Router, load_config
-    from specquant_cli.runtime import Runtime
-    from specquant_cli.session import ChatSession
+    from specquant_cli.session import open_session
+    from specquant_cli.settings import SessionSettings
 
     check_policy(opts.policy)
     for p in opts.policies:
@@ -167,12 +165,15 @@ def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: O
     if not opts.policies:  # every registered policy this family has the roles for
         have = set(family.roles())
         opts.policies = [p for p in POLICIES if set(all_roles([p])) <= have]
-        opts.policies += [f"spec-{r}" for r in family_draft_roles(family.roles(), PARENT_ROLE)
+        opts.policies += [f"spec-{r}" for r in register_family_drafters(family.roles())
                           if f"spec-{r}" not in opts.policies]  # roles made by quantize --grade --role NAME
     if opts.policies and opts.policy not in opts.policies:
         raise InputError(f"--policy {opts.policy} must be one of --policies ({', '.join(opts.policies)})")
-    runtime = Runtime(family, n_ctx=n_ctx, gamma=gamma, threads=threads,
-                      parallel=MAX_PARALLEL if opts.parallel is None else opts.parallel)
+    session = open_session(SessionSettings(n_ctx=n_ctx, gamma=gamma, threads=threads, policy=opts.policy,
+                                           router_config=router_config,
+                                           parallel=MAX_PARALLEL if opts.parallel is None else opts.parallel),
+                           family=family)
+    runtime = session.runtime
     try:
         roles = all_roles([opts.policy, *(opts.policies or POLICIES)])
         try:
@@ -180,7 +181,6 @@ def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: O
         except ResourceError as e:
             raise ResourceError(f"{e}; offer fewer policies with --policies (their roles: {', '.join(roles)})") \
                 from None
-        session = ChatSession(runtime, Router(load_config(router_config), runtime.count_tokens), opts.policy)
         for name in dict.fromkeys([opts.policy, *(opts.policies or POLICIES)]):
             # Planning once per policy loads spaCy, and has a planner measure what it needs (once per machine),
             # now rather than during the first request.

@@ -41,24 +41,25 @@ class SlotRuntime(Runtime):
 
     def __init__(self, pool: Runtime, slot: int, batcher: Batcher, batch_size: Callable[[], int]):
         self.__dict__.update(pool.__dict__)  # settings, facts, vocabulary: the pool's
-        self.__dict__.pop("auto_state", None)  # shared through the property below
         self.pool = pool
         self.slot = slot
         self.batcher = batcher
         self._batch_size = batch_size
         self._ctx = {role: SeqView(ctx, slot, batcher, pool.n_ctx) for role, ctx in pool._ctx.items()}
         self._drafters = {}
+        self._planners = {}
         self.scope = ""
 
-    @property
-    def auto_state(self):
-        """The auto policy's measurements, one set per batch size (a speedup measured alone is not the one
-        a draft gets among 8 sequences)."""
-        return self.pool.__dict__.setdefault("_batch_states", {}).get(self._batch_size())
+    def planner(self, policy: str):
+        """This slot's planner for `policy` at the current batch size: one per size, as a speedup measured
+        alone is not the one a plan gets among 8 sequences."""
+        from specquant_cli.routing.policies import policy_spec
 
-    @auto_state.setter
-    def auto_state(self, state) -> None:
-        self.pool.__dict__.setdefault("_batch_states", {})[self._batch_size()] = state
+        key = f"{policy}@{self._batch_size()}"
+        if key not in self._planners:
+            factory = policy_spec(policy).planner
+            self._planners[key] = factory() if factory is not None else None
+        return self._planners[key]
 
     def tokenizer(self):
         return self.pool.tokenizer()

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import InputError
+from specquant_cli.family.roles import is_role_name
 from specquant_cli.fsutil import create_temp, write_json_atomic
-from specquant_cli.names import ROLE_RE
 
 CALIBRATION_FILE = "calibration.json"
 SCHEMA = 4  # part of the cache key: an entry measured by an older version is measured again
@@ -182,8 +182,8 @@ def _hits(ctx, prompt: list[int], answer: list[int]) -> list[bool]:
     return out
 
 
-def expected_run_tokens(hits, g_max: int) -> list[float]:
-    """[E(1), ..., E(g_max)]: mean over start positions of (drafted tokens kept in a row, capped at g) + 1.
+def expected_run_tokens(hits, gamma_max: int) -> list[float]:
+    """[E(1), ..., E(gamma_max)]: mean over start positions of (drafted tokens kept in a row, capped at g) + 1.
     `hits` is one list of booleans, or a list of them (runs do not cross from one to the next)."""
     seqs = hits if hits and isinstance(hits[0], list) else [hits]
     runs = []
@@ -193,7 +193,7 @@ def expected_run_tokens(hits, g_max: int) -> list[float]:
             run = run + 1 if hs[i] else 0
             rs[i] = run
         runs += rs
-    return [round(1 + sum(min(r, g) for r in runs) / max(1, len(runs)), 4) for g in range(1, g_max + 1)]
+    return [round(1 + sum(min(r, g) for r in runs) / max(1, len(runs)), 4) for g in range(1, gamma_max + 1)]
 
 
 def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
@@ -300,7 +300,7 @@ def _seconds(v, what: str) -> float:
 
 def _roles(d: dict, field_name: str) -> None:
     for role in d:
-        if not ROLE_RE.match(role):
+        if not is_role_name(role):
             raise ValueError(f"{field_name} names the role {role[:40]!r}, which is not a role name")
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 from specquant_cli.errors import ResourceError
 from specquant_cli.family.ggufio import kv_cache_bytes
-from specquant_cli.names import PARENT_ROLE
+from specquant_cli.family.roles import PARENT_ROLE, STANDARD_DRAFTS, draft_roles
 from specquant_cli.system.hardware import Facts
 
 VRAM_RESERVE = 512 << 20  # CUDA context, scratch buffers
@@ -76,12 +76,6 @@ def place(facts: Facts, parent: ModelNeed, draft: Optional[ModelNeed] = None) ->
     return Placement("cpu", {m.role: 0 for m in models}, ram, 0, ram_ok(ram), f"CPU only: {why}")
 
 
-
-# Model pairs the policies use: (parent role, draft role or None).
-PAIRS = {"f16+q4": ("f16", "q4"), "f16+q8": ("f16", "q8"), "f16": ("f16", None),
-         "q8 (quasar)": ("q8", None), "q4": ("q4", None)}
-
-
 def need(fam, role: str, n_ctx: int) -> ModelNeed:
     hp = fam.hparams
     return ModelNeed(role, fam.size(role), kv_cache_bytes(hp, n_ctx), int(hp.get("block_count", 0)))
@@ -92,8 +86,12 @@ def place_pair(facts: Facts, fam, parent: str, draft: Optional[str], n_ctx: int)
 
 
 def family_placements(facts: Facts, fam, n_ctx: int) -> dict:
-    roles = set(fam.roles())
-    return {name: place_pair(facts, fam, p, d, n_ctx).to_dict() for name, (p, d) in PAIRS.items()
+    """Where each model pair of the family would run: the parent alone, the parent with each draft role beside
+    it, and each standard draft alone (the lossy policies' targets: `q4`, `q8`, quasar's `q8`)."""
+    roles = fam.roles()
+    pairs = {PARENT_ROLE: (PARENT_ROLE, None), **{f"{PARENT_ROLE}+{d}": (PARENT_ROLE, d) for d in draft_roles(roles)},
+             **{d: (d, None) for d in STANDARD_DRAFTS}}
+    return {name: place_pair(facts, fam, p, d, n_ctx).to_dict() for name, (p, d) in pairs.items()
             if p in roles and (d is None or d in roles)}
 
 

@@ -245,7 +245,9 @@ def install_abort_guard(endpoints: list[str]) -> None:
 
 
 def deadline_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV, "")
+    from specquant_cli.settings import env
+
+    raw = env(TIMEOUT_ENV)
     try:
         return float(raw) if raw else DEFAULT_DEADLINE_S
     except ValueError:

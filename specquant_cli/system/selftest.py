@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import LlamaError
+from specquant_cli.settings import env
 
 TYPES = ("f16", "bf16", "q4_0", "q4_k", "q8_0")  # every weight type the families' roles use
 _FTYPES = {"f16": "LLAMA_FTYPE_MOSTLY_F16", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
@@ -223,7 +224,7 @@ def ensure(status: Optional[Callable[[str], None]] = None) -> None:
     """Before the first model of a process: the cached result for this build and CPU, else the test now.
     Raises LlamaError (one line) when the build cannot run here."""
     global _verified
-    if _in_child or os.environ.get(CHILD_ENV) == "1":
+    if _in_child or env(CHILD_ENV) == "1":
         return
     k = key()
     if _verified == k:
@@ -254,7 +255,7 @@ def _check_type(t: str, base: Path, work: Path) -> Optional[str]:
     params.nthread = 1
     if llama_cpp.llama_model_quantize(os.fsencode(base), os.fsencode(path), params) != 0:
         return f"could not quantize to {t}"
-    fault = os.environ.get(FAULT_ENV, "")
+    fault = env(FAULT_ENV)
     if fault.partition(":")[0] == t:
         os.kill(os.getpid(), getattr(signal, fault.partition(":")[2] or "SIGILL"))
     with Model(path) as m:
