@@ -18,7 +18,7 @@ N = 16
 
 @pytest.fixture(scope="module")
 def parallel_server(family_dir):
-    s = ServerProc(["--family", str(family_dir), "--parallel", "4", "--policies", "parent,spec-q4,spec-ngram,auto",
+    s = ServerProc(["--family", str(family_dir), "--parallel", "4", "--policies", "parent,spec-q4,ngram,auto",
                     "--policy", "parent", "--api-key", KEY])
     yield s
     s.stop()
@@ -82,7 +82,7 @@ def test_a_bad_request_among_good_ones_fails_alone(parallel_server, alone, judge
 
 @pytest.mark.slow
 def test_sampled_and_drafted_requests_mix_with_greedy_ones(parallel_server, alone, judge):
-    kinds = [("parent", {}), ("spec-ngram", {}), ("auto", {}),
+    kinds = [("parent", {}), ("ngram", {}), ("auto", {}),
              ("parent", {"temperature": 0.8, "seed": 7}), ("spec-q4", {"temperature": 0.8, "seed": 7})]
 
     def one(kind):

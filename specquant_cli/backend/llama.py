@@ -195,7 +195,6 @@ class Model:
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._ptr)
         is_eog = llama_cpp.llama_vocab_is_eog
         self._eog_ids = frozenset(t for t in range(self.n_vocab) if is_eog(self.vocab, t))
-        self._piece_buf = ctypes.create_string_buffer(PIECE_BUF_BYTES)
 
     # -- vocabulary ---------------------------------------------------------------------------
     @property
@@ -244,12 +243,12 @@ class Model:
     def piece(self, token: int, special: bool = False) -> bytes:
         import llama_cpp
 
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, self._piece_buf, PIECE_BUF_BYTES, 0, special)
+        buf = ctypes.create_string_buffer(PIECE_BUF_BYTES)  # per call: requests decoding together share the model
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, PIECE_BUF_BYTES, 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
-            return buf.raw[:n]
-        return self._piece_buf.raw[:n]
+        return buf.raw[:n]
 
     def meta(self, key: str) -> Optional[str]:
         import llama_cpp
