@@ -116,7 +116,7 @@ def judge(args, questions: list[str], rows: list[dict]) -> dict:
     from specquant_cli.decoding.engine import Engine
     from specquant_cli.decoding.stream import generate_text
     from specquant_cli.family.manifest import Family
-    from specquant_cli.names import PARENT_ROLE
+    from specquant_cli.family.roles import PARENT_ROLE
     from specquant_cli.runtime import Runtime
 
     rt = Runtime(Family.load(args.family))

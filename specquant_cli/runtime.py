@@ -78,8 +78,10 @@ class Runtime:
                 model = Model(self.family.path(role), n_gpu_layers=placement.gpu_layers.get(role, 0))
             if self._ctx:  # every model of a session must speak the same vocabulary
                 check_same_vocab(next(iter(self._ctx.values())).model, model)
+            # One KV cache for all sequences (unified): with a cache per sequence llama.cpp splits a batch whose
+            # sequence ids are out of order or have gaps into one pass each (decoding.batch._chunks).
             self._ctx[role] = Context(model, self.n_ctx * self.parallel, n_threads=self.threads,
-                                      n_seq_max=self.parallel)
+                                      n_seq_max=self.parallel, kv_unified=self.parallel > 1)
             if self.rpc and role == PARENT_ROLE:
                 from specquant_cli.system import rpc
 

@@ -93,15 +93,15 @@ def in_batches(ctx: Context, prompt: Sequence[int], tokens: Sequence[int], size:
             yield ctx.logits(j)
 
 
-def verify_batch_sizes(gamma: int, g_max: int) -> tuple[int, ...]:
+def verify_batch_sizes(gamma: int, gamma_max: int) -> tuple[int, ...]:
     """The verifier's batch sizes worth probing: one drafted token, the fixed γ, the adaptive longest, and the
     whole sequence at once (0). Batches of two or more share llama.cpp's batched kernels, so a few suffice."""
-    return tuple(sorted({2, gamma + 1, max(g_max, gamma) + 1})) + (0,)
+    return tuple(sorted({2, gamma + 1, max(gamma_max, gamma) + 1})) + (0,)
 
 
-def measure_noise(ctx: Context, gamma: int, g_max: int) -> Noise:
+def measure_noise(ctx: Context, gamma: int, gamma_max: int) -> Noise:
     """Decode each probe sequence one token at a time and in verifier-sized batches; compare row by row."""
-    sizes = verify_batch_sizes(gamma, g_max)
+    sizes = verify_batch_sizes(gamma, gamma_max)
     margins: list[float] = []
     logit_max = 0.0
     for text in NOISE_TEXTS:
@@ -181,10 +181,10 @@ def classify_text(ctx: Context, prompt: Sequence[int], parent: Sequence[int], te
             else UNEXPLAINED}
 
 
-def check(ctx: Context, records: Sequence, prompts: dict[str, list[int]], gamma: int, g_max: int) -> dict:
+def check(ctx: Context, records: Sequence, prompts: dict[str, list[int]], gamma: int, gamma_max: int) -> dict:
     """Measure the noise, then set `fidelity` on every greedy lossless record with a parent answer to compare
     with (the parent's own records are identical by definition); the report's `fidelity` object."""
-    noise = measure_noise(ctx, gamma, g_max)
+    noise = measure_noise(ctx, gamma, gamma_max)
     reference = {r.item: r.tokens for r in records if r.policy == "parent"}
     divergences = []
     for r in records:

@@ -10,9 +10,9 @@ from typing import Optional
 from specquant_cli.bench import fidelity
 from specquant_cli.bench.datasets import Item, extract_answer
 from specquant_cli.decoding.sampling import SamplingParams
-from specquant_cli.names import PARENT_ROLE
+from specquant_cli.family.roles import PARENT_ROLE
 from specquant_cli.routing.router import Router
-from specquant_cli.runtime import ADAPTIVE_G_MAX, Runtime
+from specquant_cli.runtime import ADAPTIVE_GAMMA_MAX, Runtime
 from specquant_cli.session import ChatSession
 
 
@@ -138,4 +138,4 @@ def judge_fidelity(runtime: Runtime, router: Router, items: Sequence[Item], reco
     ctx = runtime.context(PARENT_ROLE)
     session = ChatSession(runtime, router, "parent", sp)  # renders a prompt exactly as the timed runs did
     prompts = {i.id: ctx.model.chat_prompt(session.messages(i.prompt)) for i in items}
-    return fidelity.check(ctx, records, prompts, runtime.gamma, ADAPTIVE_G_MAX)
+    return fidelity.check(ctx, records, prompts, runtime.gamma, ADAPTIVE_GAMMA_MAX)

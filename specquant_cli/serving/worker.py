@@ -86,7 +86,8 @@ class EngineWorker:
         self._waiting: deque[Job] = deque()
         self._running: set[Job] = set()
         self._stopping: Optional[ApiError] = None
-        self._threads = [threading.Thread(target=self._loop, args=(i,), name=f"specquant-engine-{i}", daemon=True)
+        self._free = set(range(parallel))  # slots no job runs in
+        self._threads = [threading.Thread(target=self._loop, name=f"specquant-engine-{i}", daemon=True)
                          for i in range(parallel)]
         self._mean_s: Optional[float] = None
         self.lost: Optional[str] = None  # why the engine is gone for good (a lost RPC worker), else None
@@ -180,7 +181,7 @@ class EngineWorker:
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(per_job * rounds)))
 
     # -- the worker thread --------------------------------------------------------------------
-    def _loop(self, slot: int) -> None:
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._waiting and self._stopping is None:
@@ -189,6 +190,8 @@ class EngineWorker:
                     return
                 job = self._waiting.popleft()
                 self._running.add(job)
+                slot = min(self._free)  # the lowest: running requests stay in consecutive sequences
+                self._free.discard(slot)
             t0 = time.perf_counter()
             outcome = "failed"
             try:
@@ -196,6 +199,7 @@ class EngineWorker:
             finally:
                 with self._cond:
                     self._running.discard(job)
+                    self._free.add(slot)
                     job.done = True
                     self.counts[outcome] += 1
                     took = time.perf_counter() - t0
