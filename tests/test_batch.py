@@ -133,3 +133,17 @@ def test_batch_costs_are_shared_shares_of_the_parent_curve():
     assert v.verify_cost(2) == pytest.approx(0.417 / 0.275)
     assert v.draft_ratio("q4") == pytest.approx(c.draft_ratio("q4"))
     assert c.for_batch(1) is c and v.single is c and v.batch == 8
+
+
+def test_the_calibrated_curve_decides_how_many_run_together_and_auto_plans_for_the_batch():
+    from specquant_cli.routing.auto import candidates, choose
+    from specquant_cli.serving.slots import best_parallel
+
+    intel = Calibration({1: 0.167, 2: 0.167, 4: 0.192, 8: 0.275, 16: 0.417}, {"q4": 0.065}, agreement={"q4": 0.9})
+    flat = Calibration({1: 0.1, 2: 0.2, 4: 0.4, 8: 0.8, 16: 1.6})  # a call costs per token: batching never pays
+    assert best_parallel(intel.call_s) == 8
+    assert best_parallel(flat.call_s) == 1
+    alone = choose(candidates("low", 0.0, ["f16", "q4"], intel))
+    among8 = choose(candidates("low", 0.0, ["f16", "q4"], intel.for_batch(8)))
+    assert "q4" in alone.drafter  # alone, a q4 draft pays on this curve
+    assert "q4" not in (among8.drafter or "")  # among 8 the parent's shared step is cheaper than a model draft
