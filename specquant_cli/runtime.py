@@ -273,7 +273,7 @@ class Runtime:
             plan: from `routing.policies.plan_for` (or a policy's own planner).
             sp: sampling parameters; greedy when temperature is 0."""
         self.ensure(plan.roles)
-        drafter = self.drafter(plan.draft, plan.target, plan.policy) if plan.draft else None
+        drafter = self.drafter(plan.drafter, plan.target, plan.policy) if plan.drafter else None
         return Engine(self._ctx[plan.target], drafter, self.gamma_policy(plan) if drafter else FixedGamma(0), sp)
 
     def gamma_policy(self, plan: Plan):
@@ -282,7 +282,7 @@ class Runtime:
         if kind == "capped":
             return FixedGamma(plan.gamma_cap)  # the drafter sizes its drafts itself, up to the cap
         if kind == "calibrated":
-            return self.model_gamma(plan.draft, self.gamma)
+            return self.model_gamma(plan.drafter, self.gamma)
         if kind == "adaptive":
             return AdaptiveGamma(gamma_max=max(ADAPTIVE_GAMMA_MAX, self.gamma), gamma_init=self.gamma)
         return FixedGamma(0 if kind == "none" else self.gamma)
