@@ -10,8 +10,10 @@ family lacks (q4i, q4s, q4si, q3g, q3g30), as `specquant calibrate-activations` 
 would. Then, one model loaded at a time:
 
 * stream: the F16's own greedy continuation (--stream-tokens) of one chat prompt per Spec-Bench category
-  (the first of each of --categories in --dataset), decoded token by token as `chat --policy parent` does;
-* agreement: each variant reads prompt + stream in one batch (teacher forcing); the share of stream
+  (the first of each of --categories in --dataset, read as `specquant bench` reads it: bench.datasets),
+  decoded token by token as `chat --policy parent` does (system.calibration.greedy_answer);
+* agreement: each variant reads prompt + stream in one batch (teacher forcing, system.calibration.draft_hits,
+  as `specquant calibrate` measures it); the share of stream
   positions where its argmax equals the F16's token. Because a greedy draft's proposals are exactly these
   argmaxes for as long as it has matched, the same pass also gives the exact greedy speculative outcome at a
   fixed draft length (--gamma): acceptance (accepted / drafted) and new tokens per parent call;
@@ -37,8 +39,11 @@ from pathlib import Path
 import numpy as np
 
 from specquant_cli.backend.llama import Context, Model
+from specquant_cli.bench import datasets
+from specquant_cli.errors import InputError
 from specquant_cli.family.manifest import Family
 from specquant_cli.family.roles import PARENT_ROLE, recipe_roles
+from specquant_cli.system.calibration import draft_hits, greedy_answer
 
 REPO = Path(__file__).resolve().parent.parent
 ROLES = ("q4", *recipe_roles())  # q4 and every draft recipe
@@ -53,50 +58,23 @@ def log(msg: str) -> None:
 
 
 def load_prompts(dataset: Path, categories: list[str], per_category: int) -> list[tuple[str, str]]:
-    rows = [json.loads(line) for line in dataset.read_text(encoding="utf-8").splitlines() if line.strip()]
-    out = []
-    for cat in categories:
-        picked = [r for r in rows if r.get("category") == cat][:per_category]
-        if not picked:
-            raise SystemExit(f"no {cat!r} prompts in {dataset}")
-        out += [(cat, r["turns"][0]) for r in picked]
-    return out
-
-
-def greedy_stream(model: Model, prompt: list[int], n: int) -> list[int]:
-    ctx = Context(model, n_ctx=len(prompt) + n + 8, n_batch=max(64, min(len(prompt), 2048)))
+    """(category, prompt) for the first `per_category` items of each category, in `categories`' order (read as
+    `specquant bench` reads a dataset: bench.datasets.load)."""
     try:
-        ctx.decode(prompt, logits="last")
-        out = []
-        for _ in range(n):
-            t = int(np.argmax(ctx.logits(-1)))
-            out.append(t)
-            if model.is_eog(t):
-                break
-            ctx.decode([t], logits="last")
-        return out
-    finally:
-        ctx.close()
+        items = datasets.load([dataset], categories, per_category)
+    except InputError as e:
+        raise SystemExit(str(e)) from None
+    return sorted(((i.category, i.prompt) for i in items), key=lambda cp: categories.index(cp[0]))
 
 
-def teacher_forced(model: Model, prompt: list[int], stream: list[int]) -> list[int]:
-    """The model's argmax after each of prompt[:-1]+stream[:-1]... i.e. its prediction for every stream token."""
-    seq = prompt + stream
-    ctx = Context(model, n_ctx=len(seq) + 8, n_batch=len(seq))
-    try:
-        ctx.decode(seq, logits="all")
-        return [int(np.argmax(ctx.logits(len(prompt) - 1 + i))) for i in range(len(stream))]
-    finally:
-        ctx.close()
-
-
-def spec_outcome(pred: list[int], stream: list[int], gamma: int) -> tuple[int, int, int]:
-    """(drafted, accepted, parent calls) of greedy speculative decoding with fixed gamma along `stream`."""
+def spec_outcome(hits: list[bool], gamma: int) -> tuple[int, int, int]:
+    """(drafted, accepted, parent calls) of greedy speculative decoding with fixed gamma along a stream whose
+    teacher-forced hits (system.calibration.draft_hits) are `hits`."""
     i = drafted = accepted = calls = 0
-    while i < len(stream):
-        g = min(gamma, len(stream) - i)
+    while i < len(hits):
+        g = min(gamma, len(hits) - i)
         k = 0
-        while k < g and pred[i + k] == stream[i + k]:
+        while k < g and hits[i + k]:
             k += 1
         drafted, accepted, calls = drafted + g, accepted + k, calls + 1
         i += k + 1  # the accepted drafts, then the parent's own token
@@ -231,13 +209,17 @@ def main() -> int:
 
     log(f"F16 reference streams ({len(cats) * args.per_category} prompts x {args.stream_tokens} tokens) ...")
     f16 = Model(fam.path(PARENT_ROLE))
-    prompts = load_prompts(Path(args.dataset), cats, args.per_category)
+    prompts = [(cat, f16.chat_prompt([{"role": "user", "content": text}]))
+               for cat, text in load_prompts(Path(args.dataset), cats, args.per_category)]
+    n_ctx = max(len(p) for _, p in prompts) + args.stream_tokens + 8  # one context per model serves every stream
+    n_batch = max(512, args.stream_tokens + 1)  # a stream is scored in one batch
+    ctx = Context(f16, n_ctx=n_ctx, n_batch=n_batch)
     streams = []
-    for cat, text in prompts:
-        p = f16.chat_prompt([{"role": "user", "content": text}])
-        s = greedy_stream(f16, p, args.stream_tokens)
+    for cat, p in prompts:
+        s = greedy_answer(ctx, p, args.stream_tokens)
         streams.append((cat, p, s))
         log(f"  {cat}: prompt {len(p)} tokens, stream {len(s)}")
+    ctx.close()
     held = f16.tokenize(HELD.read_text(encoding="utf-8"), add_bos=f16.add_bos())[:args.ppl_tokens]
     step_prompt = streams[0][1][:64]
     f16.close()
@@ -250,14 +232,18 @@ def main() -> int:
         try:
             hits = total = drafted = accepted = calls = 0
             by_cat: dict[str, list[int]] = {c: [0, 0] for c in cats}
-            for cat, p, s in streams:
-                pred = teacher_forced(m, p, s)
-                h = sum(a == b for a, b in zip(pred, s))
-                hits, total = hits + h, total + len(s)
-                by_cat[cat][0] += h
-                by_cat[cat][1] += len(s)
-                d, a, c = spec_outcome(pred, s, args.gamma)
-                drafted, accepted, calls = drafted + d, accepted + a, calls + c
+            ctx = Context(m, n_ctx=n_ctx, n_batch=n_batch)
+            try:
+                for cat, p, s in streams:
+                    hs = draft_hits(ctx, p, s) if s else []
+                    h = sum(hs)
+                    hits, total = hits + h, total + len(s)
+                    by_cat[cat][0] += h
+                    by_cat[cat][1] += len(s)
+                    d, a, c = spec_outcome(hs, args.gamma)
+                    drafted, accepted, calls = drafted + d, accepted + a, calls + c
+            finally:
+                ctx.close()
             rec = {
                 "role": role, "type": v.get("type"), "size_bytes": fam.size(role),
                 "bits_per_weight": v.get("bits_per_weight"), "tensor_bits_per_weight": v.get("tensor_bits_per_weight"),

@@ -63,6 +63,18 @@ def out_json(obj: object) -> None:
     out(json.dumps(obj, ensure_ascii=False))
 
 
+def stderr_reporter():
+    """The command edge's reporter (reporting.Reporter): lines and the status spinner on the stderr console."""
+    from specquant_cli.reporting import Reporter
+
+    return Reporter(say=lambda line: err.print(line, markup=False), status=err.status)
+
+
+def warn(text: str) -> None:
+    """A warning line on the stderr console (family code's `warn` callback at the command edge)."""
+    err.print(f"warning: {text}", markup=False)
+
+
 def byte_progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
                     console=err, transient=False)

@@ -13,6 +13,7 @@ from specquant_cli.decoding.registry import drafter_spec, register_family_drafte
 from specquant_cli.decoding.sampling import SamplingParams
 from specquant_cli.family.manifest import Family
 from specquant_cli.family.roles import PARENT_ROLE
+from specquant_cli.reporting import SILENT, Reporter
 from specquant_cli.routing.policies import Plan, Planner, policy_spec
 
 ADAPTIVE_GAMMA_MAX = 8  # the adaptive controller's longest model draft
@@ -21,9 +22,10 @@ ADAPTIVE_GAMMA_MAX = 8  # the adaptive controller's longest model draft
 class Runtime:
     def __init__(self, family: Family, n_ctx: int = 4096, gamma: int = DEFAULT_GAMMA, threads: Optional[int] = None,
                  p_min: Optional[float] = None, facts=None, kv_import: bool = True, rpc: Optional[list[str]] = None,
-                 parallel: int = 1):
+                 parallel: int = 1, report: Reporter = SILENT):
         """`parallel`: sequences every context holds (serving.slots gives each concurrent request one), each
-        with `n_ctx` positions of its own."""
+        with `n_ctx` positions of its own. `report`: where calibration's progress and warnings go (the command
+        layer's stderr reporter; silent by default)."""
         from specquant_cli.system import rpc as rpc_mod
 
         self.family = family
@@ -33,6 +35,7 @@ class Runtime:
         self.gamma = gamma
         self.threads = threads
         self.p_min = p_min
+        self.report = report
         self.kv_import = kv_import  # model drafters import the parent's KV cache instead of prefilling
         self._facts = facts
         self._ctx: dict[str, Context] = {}
@@ -143,9 +146,9 @@ class Runtime:
     # -- measured costs ---------------------------------------------------------------------------
     def calibration(self, measure: bool = True, force: bool = False, require_save: bool = False):
         """This machine's measured costs for the family (system.calibration): read from the family folder (or
-        the user cache, for a family folder that cannot be written), else measured now (with progress on
-        stderr) and saved there; None when `measure` is False and nothing valid is cached. A stored entry
-        is checked on every read: an invalid one is not used, and the reason goes to stderr (once). A cached
+        the user cache, for a family folder that cannot be written), else measured now (with progress through
+        `self.report`) and saved there; None when `measure` is False and nothing valid is cached. A stored
+        entry is checked on every read: an invalid one is not used, and the reason is reported (once). A cached
         entry that lacks a draft role the family has gained since (a recipe added by `quantize --types`) is
         measured again when `measure` is True; `force` measures regardless. `require_save`: refuse (before
         measuring) when the result could be saved nowhere."""
@@ -166,12 +169,10 @@ class Runtime:
         return self._calibration
 
     def _say_once(self, line: str) -> None:
-        from specquant_cli.console import err
-
         said = self.__dict__.setdefault("_said", set())
         if line not in said:
             said.add(line)
-            err.print(line, markup=False)
+            self.report.say(line)
 
     def draft_roles(self) -> list[str]:
         """The family's roles that draft as models (q4, q8, recipes such as q4i, q3g, a custom graded role)."""
@@ -209,7 +210,6 @@ class Runtime:
         return [r for r in self.draft_roles() if c is None or (r not in c.draft_step_s and r not in c.left_out)]
 
     def _measure(self, cal, fp, require_save: bool = False):
-        from specquant_cli.console import err
         from specquant_cli.errors import ResourceError
 
         if require_save:
@@ -224,23 +224,23 @@ class Runtime:
             except ResourceError:
                 skipped.append(role)
         if skipped:
-            err.print(f"calibration: {', '.join(skipped)} left out (not enough memory beside the others); auto "
-                      "will not pick them", markup=False)
-        with err.status("calibrating this machine's costs (once per family and machine)") as status:
+            self.report.say(f"calibration: {', '.join(skipped)} left out (not enough memory beside the others); "
+                            "auto will not pick them")
+        with self.report.status("calibrating this machine's costs (once per family and machine)") as status:
             c = cal.measure(self.context, PARENT_ROLE, drafts,
                             lambda what, i, n: status.update(f"calibrating: {what} ({i}/{n})"))
         c.left_out = skipped
         try:
             where, why = cal.save(self.family.root, fp, c)
             if why is not None:
-                err.print(f"calibration: cannot write in the family folder {self.family.root} ({why}); this "
-                          f"machine's costs are kept in {where}", markup=False)
+                self.report.say(f"calibration: cannot write in the family folder {self.family.root} ({why}); "
+                                f"this machine's costs are kept in {where}")
         except OSError as e:
             if require_save:
                 from specquant_cli.errors import InputError
 
                 raise InputError(f"calibration not saved ({e.strerror or e})") from None
-            err.print(f"warning: calibration not saved ({e.strerror}): it is measured again next time", markup=False)
+            self.report.warn(f"calibration not saved ({e.strerror}): it is measured again next time")
         self.release([r for r in drafts if r not in before])  # loaded only to be measured
         return c
 
@@ -275,7 +275,7 @@ class Runtime:
             plan: from `routing.policies.plan_for` (or a policy's own planner).
             sp: sampling parameters; greedy when temperature is 0."""
         self.ensure(plan.roles)
-        drafter = self.drafter(plan.draft, plan.target, plan.policy) if plan.draft else None
+        drafter = self.drafter(plan.drafter, plan.target, plan.policy) if plan.drafter else None
         return Engine(self._ctx[plan.target], drafter, self.gamma_policy(plan) if drafter else FixedGamma(0), sp)
 
     def gamma_policy(self, plan: Plan):
@@ -284,7 +284,7 @@ class Runtime:
         if kind == "capped":
             return FixedGamma(plan.gamma_cap)  # the drafter sizes its drafts itself, up to the cap
         if kind == "calibrated":
-            return self.model_gamma(plan.draft, self.gamma)
+            return self.model_gamma(plan.drafter, self.gamma)
         if kind == "adaptive":
             return AdaptiveGamma(gamma_max=max(ADAPTIVE_GAMMA_MAX, self.gamma), gamma_init=self.gamma)
         return FixedGamma(0 if kind == "none" else self.gamma)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from specquant_cli.decoding.sampling import SamplingParams
 from specquant_cli.decoding.stream import Response, stream_generate
+from specquant_cli.reporting import SILENT, Reporter
 from specquant_cli.routing.policies import DEFAULT_POLICY, Plan, PlanContext, check_policy, plan_for
 from specquant_cli.routing.router import Route, Router
 from specquant_cli.runtime import Runtime
@@ -35,13 +36,16 @@ class Answer:
         }
 
 
-def open_session(settings: SessionSettings, family=None, say: Optional[Callable[[str], None]] = None) -> ChatSession:
+def open_session(settings: SessionSettings, family=None, report: Reporter = SILENT,
+                 warn_ctx: bool = False) -> ChatSession:
     """The one assembly point of every front end: family -> runtime -> router -> session.
 
     Args:
         settings: what to open (settings.SessionSettings); its family is loaded unless `family` is given.
         family: an already loaded family.
-        say: where warnings go (a line each; none by default): a context above the model's trained one.
+        report: where progress and warnings go (reporting.Reporter; silent by default, the commands pass
+            console.stderr_reporter()): the family's recovery, the runtime's calibration.
+        warn_ctx: also report a context above the model's trained one.
 
     The router refuses a prompt longer than the context (settings.n_ctx), for every front end. The policy
     is checked against the family's roles here, before any model loads. The caller closes
@@ -50,13 +54,14 @@ def open_session(settings: SessionSettings, family=None, say: Optional[Callable[
     from specquant_cli.settings import ctx_warning, load_family
 
     router_config = load_config(settings.router_config)
-    fam = family if family is not None else load_family(settings.family)
+    fam = family if family is not None else load_family(settings.family, report.warn)
     policy = check_policy(settings.policy or DEFAULT_POLICY, fam.roles())
     warning = ctx_warning(fam, settings.n_ctx)
-    if say is not None and warning:
-        say(warning)
+    if warn_ctx and warning:
+        report.say(warning)
     runtime = Runtime(fam, n_ctx=settings.n_ctx, threads=settings.threads, facts=settings.facts, rpc=settings.rpc,
-                      parallel=settings.parallel, **({"gamma": settings.gamma} if settings.gamma is not None else {}))
+                      parallel=settings.parallel, report=report,
+                      **({"gamma": settings.gamma} if settings.gamma is not None else {}))
     router = Router(router_config, runtime.count_tokens, max_tokens=settings.n_ctx)
     return ChatSession(runtime, router, policy, settings.sampling or SamplingParams(), settings.max_tokens,
                        settings.system, settings.stop)

@@ -44,15 +44,16 @@ def debug() -> bool:
     return env("SPECQUANT_DEBUG") not in ("", "0")
 
 
-def load_family(path: Optional[Path]):
-    """The family at `path`, else at $SPECQUANT_FAMILY, else the demo family's folder."""
+def load_family(path: Optional[Path], warn=None):
+    """The family at `path`, else at $SPECQUANT_FAMILY, else the demo family's folder. `warn`: where the
+    warning of an interrupted update finished on the way goes (family.manifest.recover; none by default)."""
     from specquant_cli.errors import FamilyError
     from specquant_cli.family.manifest import Family
 
     named = env("SPECQUANT_FAMILY")
     root = path or (Path(named) if named else DEFAULT_FAMILY_DIR)
     try:
-        return Family.load(root)
+        return Family.load(root, warn)
     except FamilyError:
         if path is None and not named:
             raise FamilyError(f"no model family at {root}; fetch the demo family with: specquant pull smollm2-135m") \

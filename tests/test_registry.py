@@ -43,7 +43,7 @@ def registered():
 
 def test_registered_policy_plans_from_the_table(registered):
     plan = plan_for("test-repeat", "high")
-    assert plan.draft == "test-repeat" and plan.roles == ["f16"] and not plan.lossy
+    assert plan.drafter == "test-repeat" and plan.roles == ["f16"] and not plan.lossy
 
 
 def test_registered_drafter_runs_through_chat_and_is_lossless(registered, family_dir):
@@ -104,7 +104,7 @@ class AlternatingPlanner:
         return Plan(ctx.policy, ctx.tier, "f16", draft, "fixed" if draft else "none", why="alternating")
 
     def observe(self, answer):
-        self.observed.append((answer.plan.draft, answer.last.new_tokens))
+        self.observed.append((answer.plan.drafter, answer.last.new_tokens))
 
 
 def test_a_registered_planner_plans_and_hears_every_answer(family):

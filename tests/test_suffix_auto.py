@@ -117,10 +117,10 @@ def test_auto_plan_for_a_recipe_draft_loads_it_and_adapts_its_length():
     c = cal(step_ratio=0.9)
     c.draft_step_s["q4i"] = 0.1 * 0.15
     plan = plan_for("auto", "medium", PlanContext("auto", "medium", 0.0, ("f16", "q4", "q8", "q4i"), c))
-    assert plan.draft in ("q4i", "suffix+q4i") and plan.roles == ["f16", "q4i"]
-    assert plan.gamma_policy == ("calibrated" if plan.draft == "q4i" else "capped")  # a mix adapts inside the drafter
+    assert plan.drafter in ("q4i", "suffix+q4i") and plan.roles == ["f16", "q4i"]
+    assert plan.gamma_policy == ("calibrated" if plan.drafter == "q4i" else "capped")  # a mix adapts inside the drafter
     plan = plan_for("auto", "medium", PlanContext("auto", "medium", 0.9, ("f16", "q4", "q8", "q4i"), c))
-    assert plan.draft == "suffix+q4i" and plan.gamma_policy == "capped" and plan.roles == ["f16", "q4i"]
+    assert plan.drafter == "suffix+q4i" and plan.gamma_policy == "capped" and plan.roles == ["f16", "q4i"]
 
 
 def test_a_recipe_draft_must_clearly_beat_q4():

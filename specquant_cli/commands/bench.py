@@ -17,7 +17,7 @@ from specquant_cli.commands.options import (
     finite,
     split_list,
 )
-from specquant_cli.console import err, out_json
+from specquant_cli.console import err, out_json, stderr_reporter
 from specquant_cli.routing.policies import bench_policies
 
 
@@ -69,7 +69,7 @@ def bench(
     items = datasets.load(dataset, cats, limit)
     facts = detect()
     session = open_session(SessionSettings(family, n_ctx, gamma, router_config=config, facts=facts),
-                           say=lambda line: err.print(line, markup=False))
+                           report=stderr_reporter(), warn_ctx=True)
     runtime, router, fam = session.runtime, session.router, session.runtime.family
     for p in names:
         check_policy(p, fam.roles())  # before a model loads

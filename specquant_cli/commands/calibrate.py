@@ -6,7 +6,7 @@ from typing import Optional
 import typer
 
 from specquant_cli.commands.options import CtxOpt, FamilyOpt, JsonOpt, RpcOpt
-from specquant_cli.console import err, out_json
+from specquant_cli.console import err, out_json, stderr_reporter
 
 
 def register(app: typer.Typer) -> None:
@@ -25,7 +25,7 @@ def calibrate(
     from specquant_cli.session import open_session
     from specquant_cli.settings import SessionSettings
 
-    runtime = open_session(SessionSettings(family, n_ctx)).runtime
+    runtime = open_session(SessionSettings(family, n_ctx), report=stderr_reporter()).runtime
     fam = runtime.family
     try:
         c = runtime.calibration(force=force, require_save=True)  # unsaveable: refused before measuring

@@ -16,7 +16,7 @@ from specquant_cli.commands.options import (
     TemperatureOpt,
     TopPOpt,
 )
-from specquant_cli.console import err, out, out_json
+from specquant_cli.console import err, out, out_json, stderr_reporter
 from specquant_cli.inputs import check_text, read_prompt, stdin_is_tty
 
 HELP = """Chat with a family: routed, speculative, lossless unless the policy says otherwise.
@@ -67,7 +67,7 @@ def chat(
     session = open_session(SessionSettings(family, n_ctx, gamma, policy=policy,
                                            sampling=SamplingParams(temperature, top_k, top_p, seed),
                                            max_tokens=max_tokens, system=system, stop=tuple(stop),
-                                           router_config=config), say=_warn)
+                                           router_config=config), report=stderr_reporter(), warn_ctx=True)
     runtime = session.runtime
     try:
         if is_interactive:
@@ -77,10 +77,6 @@ def chat(
                 _one(session, text, json_out, stats)
     finally:
         runtime.close()
-
-
-def _warn(line: str) -> None:
-    err.print(line, markup=False)
 
 
 def _prompts(prompt: Optional[list[str]], each_line: bool) -> list[str]:

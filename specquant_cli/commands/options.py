@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import typer
 
 from specquant_cli.routing.policies import DEFAULT_POLICY, policy_help
-from specquant_cli.settings import load_family  # noqa: F401  (commands take it from here with the options)
 
 FAMILY_ENV = "SPECQUANT_FAMILY"
 
@@ -57,6 +57,15 @@ def split_list(value: Optional[str], option: str, what: str) -> Optional[list[st
     if not items:
         raise InputError(f"{option} {value!r}: no {what} given")
     return items
+
+
+def load_family(path: Optional[Path]):
+    """settings.load_family at the command edge: a warning on the way (an interrupted update finished) goes to
+    the stderr console."""
+    from specquant_cli import settings
+    from specquant_cli.console import warn
+
+    return settings.load_family(path, warn)
 
 
 def warn_above_trained_ctx(fam, n_ctx: int) -> None:

@@ -8,7 +8,7 @@ import typer
 
 from specquant_cli.commands.options import JsonOpt, ThreadsOpt
 from specquant_cli.console import byte_progress, err, gib, out_json
-from specquant_cli.family.quantize import DEFAULT_TYPES
+from specquant_cli.family.variants import DEFAULT_TYPES
 
 
 def register(app: typer.Typer) -> None:
@@ -63,7 +63,8 @@ def quantize(
                                        warn=lambda t: prog.console.print(f"warning: {t}", markup=False))
         if recipes:
             manifest = add_variants(out_dir, recipes, base=base, imatrix_path=imatrix, threads=threads, force=force,
-                                    progress=progress, say=lambda t: prog.console.print(t, markup=False))
+                                    progress=progress, say=lambda t: prog.console.print(t, markup=False),
+                                    warn=lambda t: prog.console.print(f"warning: {t}", markup=False))
     err.print(f"{info.arch} base, {info.n_params / 1e6:.0f}M params -> {out_dir} in {time.perf_counter() - t0:.1f}s")
     for role, v in manifest["variants"].items():
         err.print(f"  {role:4} {v['type']:7} {gib(v['size_bytes'])}  {v['bits_per_weight']:.2f} bpw  {v['path']}")

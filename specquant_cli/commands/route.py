@@ -7,7 +7,7 @@ import typer
 from rich.table import Table
 
 from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, JsonOpt, PolicyOpt, RpcOpt
-from specquant_cli.console import err, out_json
+from specquant_cli.console import err, out_json, stderr_reporter
 from specquant_cli.inputs import read_prompt
 
 
@@ -32,7 +32,8 @@ def route(
     check_policy(policy)
     text = read_prompt(prompt)
     # a prompt longer than the context (--ctx, as chat's) is refused before spaCy reads it
-    session = open_session(SessionSettings(family, n_ctx, policy=policy, router_config=config))
+    session = open_session(SessionSettings(family, n_ctx, policy=policy, router_config=config),
+                           report=stderr_reporter())
     runtime, router = session.runtime, session.router
     # routing loads no model weights: the auto policy uses the cached calibration, or priors without one
     r, plan = session.plan(text, measure=False)

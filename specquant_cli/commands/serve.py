@@ -55,11 +55,12 @@ def serve(
     config: Optional[Path] = ConfigOpt,
     rpc: Optional[str] = RpcOpt,
 ) -> None:
+    from specquant_cli.console import stderr_reporter
     from specquant_cli.serving.server import ServeOptions, build_service, run
 
     offered = [p.strip() for p in policies.split(",") if p.strip()] if policies else []
     opts = ServeOptions(policy=policy, policies=offered, host=host, port=port, api_key=api_key or None,
                         max_queue=queue, max_tokens=max_tokens, max_body=max_body, parallel=parallel)
     svc = build_service(load_family(family), opts, n_ctx=n_ctx, gamma=gamma, threads=threads or None,
-                        router_config=config)
+                        router_config=config, report=stderr_reporter())
     run(svc, opts)

@@ -145,13 +145,14 @@ def fetch_origin(spec: FamilySpec, workdir: Path, progress: Optional[Progress] =
     return origin, source
 
 
-def present(root: Path, roles: tuple[str, ...] = BUILTIN_ROLES) -> Optional[Family]:
+def present(root: Path, roles: tuple[str, ...] = BUILTIN_ROLES,
+            warn: Optional[Callable[[str], None]] = None) -> Optional[Family]:
     """The family at root when it has every role and its files all check out (path, size, GGUF header and
     sha256), else None."""
     if not Path(root).is_dir():
         return None
     try:
-        fam = Family.load(root)
+        fam = Family.load(root, warn)
     except FamilyError:
         return None
     if any(r not in fam.manifest["variants"] for r in roles):
@@ -185,9 +186,9 @@ def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
         raise InputError(f"--models-dir {models_dir}: not a folder")
     root = models_dir / name
     if root.is_dir():
-        recover(root)  # a killed earlier run's half-done commit, finished before anything is judged
+        recover(root, warn)  # a killed earlier run's half-done commit, finished before anything is judged
         remove_stale(root)  # and the temp files and work folders such a run left
-    if not force and (fam := present(root)) is not None:
+    if not force and (fam := present(root, warn=warn)) is not None:
         return fam, False
     root = check_folder_writable(root, "--models-dir", create=True)
     # Everything new is built in a work folder (its name carries our pid, so a killed run's is removed

@@ -23,13 +23,14 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import FamilyError, ModelFileError
 from specquant_cli.family.roles import PARENT_ROLE, ordered
+from specquant_cli.family.variants import QUANT_TYPES
 from specquant_cli.fsutil import TEMP_RE, fsync_dir, sha256_file, write_bytes_atomic, write_json_atomic
 
 MANIFEST = "manifest.json"
@@ -41,10 +42,11 @@ RESERVED = {MANIFEST, PREV_MANIFEST, JOURNAL, UNUSABLE_JOURNAL, LOCK, "manifest.
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest is a few KiB; anything this large is not one
 
 
-def _warn(text: str) -> None:
-    from specquant_cli.console import err
+WarnFn = Callable[[str], None]  # a warning's text (the command edge prints it as "warning: …")
 
-    err.print(f"warning: {text}", markup=False)
+
+def silent(text: str) -> None:
+    pass
 
 
 def _is_int(v) -> bool:
@@ -327,14 +329,14 @@ def _journal_problem(root: Path, j) -> Optional[str]:
     return None
 
 
-def _set_aside(root: Path, why: str) -> None:
+def _set_aside(root: Path, why: str, warn: WarnFn) -> None:
     """An unusable journal is not obeyed nor thrown away: kept as .specquant-commit.json.unusable."""
     try:
         os.replace(root / JOURNAL, root / UNUSABLE_JOURNAL)
         kept = f"kept as {UNUSABLE_JOURNAL}"
     except OSError as e:
         kept = f"it could not be moved aside: {e.strerror}"
-    _warn(f"{root / JOURNAL}: ignored an invalid update journal ({why}); the family is unchanged, {kept}")
+    warn(f"{root / JOURNAL}: ignored an invalid update journal ({why}); the family is unchanged, {kept}")
 
 
 def _read_journal(root: Path) -> tuple[Optional[dict], Optional[str]]:
@@ -345,10 +347,12 @@ def _read_journal(root: Path) -> tuple[Optional[dict], Optional[str]]:
     return j, _journal_problem(root, j)
 
 
-def recover(root: Path) -> bool:
+def recover(root: Path, warn: Optional[WarnFn] = None) -> bool:
     """Finish an update that a killed process left mid-commit, once its journal checks out. True when one was
-    finished. FamilyError while another process holds the family's lock (its update is under way)."""
+    finished (said through `warn`, as is a journal ignored). FamilyError while another process holds the
+    family's lock (its update is under way)."""
     root = Path(root)
+    warn = warn or silent
     if not os.path.lexists(root / JOURNAL):
         return False
     try:
@@ -357,7 +361,7 @@ def recover(root: Path) -> bool:
                 return False
             j, why = _read_journal(root)
             if why:
-                _set_aside(root, why)
+                _set_aside(root, why, warn)
                 return False
             try:
                 _roll_forward(root, j)
@@ -365,16 +369,16 @@ def recover(root: Path) -> bool:
                 raise FamilyError(f"{root}: an interrupted update could not be finished ({e.strerror}); "
                                   "run specquant quantize again with write access") from None
     except LockUnavailable as e:
-        return _cannot_recover(root, e)
-    _warn(f"{root}: finished an update that an interrupted process left half done")
+        return _cannot_recover(root, e, warn)
+    warn(f"{root}: finished an update that an interrupted process left half done")
     return True
 
 
-def _cannot_recover(root: Path, e: LockUnavailable) -> bool:
+def _cannot_recover(root: Path, e: LockUnavailable, warn: WarnFn) -> bool:
     """A folder we cannot write: an invalid journal is ignored (left there), a valid one is an error."""
     _, why = _read_journal(root)
     if why:
-        _warn(f"{root / JOURNAL}: ignored an invalid update journal ({why}); the family is unchanged, the journal "
+        warn(f"{root / JOURNAL}: ignored an invalid update journal ({why}); the family is unchanged, the journal "
               f"left there (the folder cannot be written)")
         return False
     raise FamilyError(f"{e}: an interrupted update cannot be finished; run specquant quantize again with "
@@ -424,7 +428,6 @@ def _check_structure(m: dict, mpath: Path) -> None:
 def _file_problem(full: Path, rel: str, size: int, qtype) -> Optional[str]:
     """Why the file of a variant record cannot be used: presence, size, GGUF header, file type (a header read)."""
     from specquant_cli.family.ggufio import header_problem, read_file_type
-    from specquant_cli.family.quantize import QUANT_TYPES
 
     try:
         st = os.stat(full)
@@ -456,14 +459,16 @@ class Family:
     staged: dict[str, Path] = field(default_factory=dict)  # path -> the file a pending commit renames there
 
     @classmethod
-    def load(cls, root: Path | str) -> Family:
+    def load(cls, root: Path | str, warn: Optional[WarnFn] = None) -> Family:
+        """The family at `root`, after finishing an update a killed process left half done (`recover`, which
+        warns through `warn`)."""
         root = Path(root)
         if not root.exists():
             raise FamilyError(f"no model family at {root} (no such folder); fetch one with: "
                               "specquant pull smollm2-135m")
         if not root.is_dir():
             raise FamilyError(f"{root}: not a family folder (it is a file)")
-        recover(root)
+        recover(root, warn)
         mpath = root / MANIFEST
         if not os.path.lexists(mpath):
             raise FamilyError(f"no model family at {root} (missing {MANIFEST}); "
@@ -545,7 +550,6 @@ class Family:
         """role -> problem (None when fine). `deep` parses each GGUF and compares architecture, parameter
         count, type and vocabulary with the manifest and the parent; `hashes` adds sha256."""
         from specquant_cli.family.ggufio import read_info
-        from specquant_cli.family.quantize import QUANT_TYPES
 
         out: dict[str, Optional[str]] = {role: self.problem(role, hashes) for role in self.roles()}
         if not deep:

@@ -15,6 +15,7 @@ from typing import Optional
 from specquant_cli.errors import InputError, LlamaError, ModelFileError, ResourceError
 from specquant_cli.family import manifest as fam
 from specquant_cli.family.ggufio import GGUFInfo, read_info
+from specquant_cli.family.variants import QUANT_TYPES, QuantType, variant_record  # noqa: F401  (QuantType: named here too)
 from specquant_cli.fsutil import (
     check_folder_writable,
     commit_temp,
@@ -28,27 +29,6 @@ from specquant_cli.fsutil import (
 )
 from specquant_cli.interrupts import deferred
 
-
-@dataclass(frozen=True)
-class QuantType:
-    name: str
-    ftype_const: str  # name of the llama_ftype constant in llama_cpp
-    bpw: float  # typical bits per weight, for the disk estimate
-    role: str  # family role it fills
-
-
-QUANT_TYPES = {q.name: q for q in [
-    QuantType("q4_0", "LLAMA_FTYPE_MOSTLY_Q4_0", 4.55, "q4"),
-    QuantType("q4_1", "LLAMA_FTYPE_MOSTLY_Q4_1", 5.05, "q4"),
-    QuantType("q4_k_s", "LLAMA_FTYPE_MOSTLY_Q4_K_S", 4.6, "q4"),
-    QuantType("q4_k_m", "LLAMA_FTYPE_MOSTLY_Q4_K_M", 4.9, "q4"),
-    QuantType("q5_k_m", "LLAMA_FTYPE_MOSTLY_Q5_K_M", 5.7, "q5"),
-    QuantType("q6_k", "LLAMA_FTYPE_MOSTLY_Q6_K", 6.6, "q6"),
-    QuantType("q8_0", "LLAMA_FTYPE_MOSTLY_Q8_0", 8.5, "q8"),
-    QuantType("f16", "LLAMA_FTYPE_MOSTLY_F16", 16.0, "f16"),
-    QuantType("bf16", "LLAMA_FTYPE_MOSTLY_BF16", 16.0, "bf16"),
-]}
-DEFAULT_TYPES = ("q4_k_m", "q8_0", "f16")
 ProgressFn = Callable[[str, int, int], None]  # (type name, bytes written, expected bytes)
 WarnFn = Callable[[str], None]
 LOG = "quantize.log"
@@ -209,19 +189,6 @@ def stage_copy(src: Path, dst: Path) -> Path:
     return tmp
 
 
-def variant_record(path: Path, q: QuantType, n_params: int, name: str, created: Optional[datetime] = None,
-                   sha: Optional[str] = None) -> dict:
-    import llama_cpp
-
-    st = path.stat()
-    return {
-        "type": q.name, "role": q.role, "path": name, "size_bytes": st.st_size,
-        "bits_per_weight": round(st.st_size * 8 / max(1, n_params), 3), "sha256": sha or sha256_file(path),
-        "created": (created or datetime.fromtimestamp(st.st_mtime, UTC)).isoformat(timespec="seconds"),
-        "llama_cpp_python": llama_cpp.__version__,
-    }
-
-
 @dataclass
 class Step:
     q: QuantType
@@ -345,12 +312,6 @@ def _set_aside(mpath: Path, why: str, warn: WarnFn) -> None:
     warn(f"{mpath}: unusable ({why}); kept as {UNUSABLE_MANIFEST}, a new one is written")
 
 
-def _warn(text: str) -> None:
-    from specquant_cli.console import err
-
-    err.print(f"warning: {text}", markup=False)
-
-
 def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, threads: int = 0,
                     force: bool = False, allow_requantize: bool = False, family_name: Optional[str] = None,
                     provenance: Optional[str] = None, notes: Optional[dict] = None,
@@ -360,8 +321,9 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
 
     Nothing in `out_dir` changes until every new file is complete: new variants are written under temp
     names, then committed together with the manifest (family.manifest.commit). Existing files are
-    checked (GGUF parse, architecture, parameter count, type, vocabulary) before they are adopted."""
-    warn = warn or _warn
+    checked (GGUF parse, architecture, parameter count, type, vocabulary) before they are adopted. Warnings
+    go to `warn` (none by default; the command edge prints them); progress to `progress`."""
+    warn = warn or fam.silent
     base = Path(base)
     info = read_info(base)
     check_base(info, allow_requantize)
@@ -369,7 +331,7 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
         raise InputError(f"--threads {threads}: must be between 0 (all cores) and {MAX_THREADS}")
     out_dir = check_folder_writable(Path(out_dir), out_label, create=True)
     with fam.family_lock(out_dir):  # one update of a folder at a time; FamilyError while another runs
-        fam.recover(out_dir)
+        fam.recover(out_dir, warn)
         remove_stale(out_dir)
         stem = family_name or out_dir.resolve().name
         old, unusable = fam.read_existing(out_dir)
@@ -407,7 +369,7 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
                 tmp = next((t for t, st in staged if st is s), None)
                 f16_of_base = s.q.name == "f16" and s.action != "build" and info.weight_type == "F16"
                 sha = base_sha if f16_of_base else None
-                variants[s.q.role] = variant_record(tmp or s.dst, s.q, info.n_params, s.dst.name,
+                variants[s.q.role] = variant_record(tmp or s.dst, s.q.name, s.q.role, info.n_params, s.dst.name,
                                                     now if tmp else None, sha)
             f16 = next((s for s in steps if s.q.name == "f16" and s.action != "build"), None)
             base_file = f16.dst.name if f16 else str(base)

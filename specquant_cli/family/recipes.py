@@ -28,6 +28,7 @@ from specquant_cli.errors import FamilyError, InputError, LlamaError, ModelFileE
 from specquant_cli.family import grade as grading
 from specquant_cli.family.grade import LADDER
 from specquant_cli.family.roles import check_role
+from specquant_cli.family.variants import QUANT_TYPES, variant_record
 
 ProgressFn = Callable[[str, int, int], None]  # (stage label, done, total)
 LOG = "quantize.log"
@@ -74,7 +75,6 @@ def default_role(bpw: float) -> str:
 def split_types(types: str, grade: Optional[float] = None, role: Optional[str] = None,
                 ladder: Optional[str] = None) -> tuple[list[str], list[Recipe]]:
     """--types into plain type names (for quantize_family) and recipes (named roles, or one --grade variant)."""
-    from specquant_cli.family.quantize import QUANT_TYPES
 
     names = [s.strip().lower() for s in types.split(",") if s.strip()]
     plain = [n for n in names if n not in RECIPES]
@@ -98,7 +98,6 @@ def split_types(types: str, grade: Optional[float] = None, role: Optional[str] =
 
 
 def _ftype(base: str) -> str:
-    from specquant_cli.family.quantize import QUANT_TYPES
 
     q = QUANT_TYPES.get(base)
     if q is None or base in ("f16", "bf16"):
@@ -122,16 +121,9 @@ def _run_worker(spec: dict, dst_tmp: Path, expected: int, label: str, log_fd: in
 
 
 def _record(path: Path, recipe: Recipe, n_params: int, name: str, sha: str) -> dict:
-    import llama_cpp
-
-    size = path.stat().st_size
-    return {
-        "type": recipe.label, "role": recipe.role, "path": name, "size_bytes": size,
-        "bits_per_weight": round(size * 8 / max(1, n_params), 3),
-        "tensor_bits_per_weight": round(grading.tensor_bpw(path), 3), "sha256": sha,
-        "created": datetime.now(UTC).isoformat(timespec="seconds"), "llama_cpp_python": llama_cpp.__version__,
-        "recipe": recipe.to_dict(),
-    }
+    """The recipe variant's manifest record: family.variants.variant_record plus its tensor bits and recipe."""
+    return variant_record(path, recipe.label, recipe.role, n_params, name, datetime.now(UTC), sha,
+                          {"tensor_bits_per_weight": round(grading.tensor_bpw(path), 3), "recipe": recipe.to_dict()})
 
 
 def _up_to_date(family, recipe: Recipe, imatrix_sha: Optional[str]) -> bool:
@@ -142,9 +134,11 @@ def _up_to_date(family, recipe: Recipe, imatrix_sha: Optional[str]) -> bool:
 
 def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Path] = None,
                  imatrix_path: Optional[Path] = None, threads: int = 0, force: bool = False,
-                 progress: Optional[ProgressFn] = None, say: Optional[Callable[[str], None]] = None) -> dict:
+                 progress: Optional[ProgressFn] = None, say: Optional[Callable[[str], None]] = None,
+                 warn: Optional[Callable[[str], None]] = None) -> dict:
     """Quantize each recipe from the family's F16 base and commit it as a role of the family (with the grading
-    plan beside it, `<family>-<role>.plan.json`). A role whose file, recipe and imatrix match is kept."""
+    plan beside it, `<family>-<role>.plan.json`). A role whose file, recipe and imatrix match is kept. A line
+    per role made goes to `say`, warnings (an interrupted update finished) to `warn`; none by default."""
     from specquant_cli.family import imatrix as im
     from specquant_cli.family import manifest as fam
     from specquant_cli.family.ggufio import read_info
@@ -156,9 +150,9 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
     if not (root / fam.MANIFEST).is_file():
         raise FamilyError(f"no family at {root}: make one first (specquant quantize BASE --out {root} "
                           "--types q4_0,q8_0,f16), then add draft recipes to it")
-    fam.recover(root)
+    fam.recover(root, warn)
     remove_stale(root)
-    family = fam.Family.load(root)
+    family = fam.Family.load(root, warn)
     src = family.path("f16")
     if base is not None and not same_file(Path(base), src):
         base_sha = family.manifest.get("base", {}).get("sha256")
@@ -237,7 +231,7 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
             notes[recipe.role] = recipe.help + "; a draft role (spec-" + recipe.role + ")"
             manifest["notes"] = notes
             fam.commit(root, renames, manifest)
-            family = fam.Family.load(root)
+            family = fam.Family.load(root, warn)
             say(f"{recipe.role}: {rec['size_bytes'] / 2**20:.1f} MiB, {rec['bits_per_weight']:.3f} bits per weight "
                 f"({rec['tensor_bits_per_weight']:.3f} in tensor data) -> {dst.name}")
         finally:

@@ -25,6 +25,7 @@ import re
 from collections.abc import Iterable
 
 from specquant_cli.errors import InputError
+from specquant_cli.family.variants import QUANT_TYPES
 
 Role = str
 PARENT_ROLE: Role = "f16"  # generates, verifies, and is the reference every lossless policy matches
@@ -68,7 +69,6 @@ def is_role_name(name: str) -> bool:
 def check_role(role: str) -> str:
     """A new role's name (`quantize --role`): spelled as ROLE_RULE says, not a quantization type (q4_0 names a
     type, not a role) and not a built-in role."""
-    from specquant_cli.family.quantize import QUANT_TYPES  # imported here: quantize's imports reach this module
 
     if not role:
         raise InputError(f"--role is empty: {ROLE_RULE}")

@@ -194,5 +194,5 @@ class AutoPlanner:
         cal, rec = self._calibration, answer.last
         if cal is None or rec is None or rec.new_tokens < self.MIN_OBSERVED_TOKENS:
             return
-        self.state.observe(answer.route.tier, answer.plan.draft or "parent",
+        self.state.observe(answer.route.tier, answer.plan.drafter or "parent",
                            rec.decode_tokens_per_s * cal.parent_call_s[1])

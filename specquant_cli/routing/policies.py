@@ -144,7 +144,7 @@ class Plan:
     policy: str
     tier: Optional[Tier]
     target: str
-    draft: Optional[str]
+    drafter: Optional[str]
     gamma_policy: GammaPolicyKind = "fixed"
     lossy: bool = False
     gamma_cap: Optional[int] = None
@@ -154,15 +154,17 @@ class Plan:
     @property
     def roles(self) -> list[str]:
         """Family roles this plan loads, target first."""
-        extra = _drafter_roles(self.draft) if self.draft else ()
+        extra = _drafter_roles(self.drafter) if self.drafter else ()
         return [self.target] + [r for r in extra if r != self.target]
 
     def describe(self) -> str:
-        how = f"{self.target} alone" if not self.draft else f"{self.draft} drafts, {self.target} verifies"
+        how = f"{self.target} alone" if not self.drafter else f"{self.drafter} drafts, {self.target} verifies"
         return how + (" (lossy)" if self.lossy else "")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "description": self.describe()}
+        """The plan as JSON (`route --json`): its drafter under the key "draft", as it always was."""
+        return {**{("draft" if k == "drafter" else k): v for k, v in asdict(self).items()},
+                "description": self.describe()}
 
 
 def bench_policies() -> list[str]:

@@ -154,8 +154,9 @@ def parent_rate(runtime) -> Optional[float]:
 
 
 def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: Optional[int],
-                  router_config=None) -> Service:
-    """Load every role the offered policies can use (placement-checked first) and warm the router."""
+                  router_config=None, report=None) -> Service:
+    """Load every role the offered policies can use (placement-checked first) and warm the router. `report`:
+    where calibration's progress and warnings go (reporting.Reporter; silent when None)."""
     from specquant_cli.session import open_session
     from specquant_cli.settings import SessionSettings
 
@@ -172,7 +173,7 @@ def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: O
     session = open_session(SessionSettings(n_ctx=n_ctx, gamma=gamma, threads=threads, policy=opts.policy,
                                            router_config=router_config,
                                            parallel=MAX_PARALLEL if opts.parallel is None else opts.parallel),
-                           family=family)
+                           family=family, **({"report": report} if report is not None else {}))
     runtime = session.runtime
     try:
         roles = all_roles([opts.policy, *(opts.policies or POLICIES)])

@@ -153,8 +153,9 @@ def _timed(ctx, tokens, logits: str = "all") -> float:
     return time.perf_counter() - t0
 
 
-def _greedy(ctx, prompt: list[int], n: int) -> list[int]:
-    """The parent's own greedy answer: n tokens after `prompt` (fewer at an end-of-generation token)."""
+def greedy_answer(ctx, prompt: list[int], n: int) -> list[int]:
+    """The parent's own greedy answer: n tokens after `prompt` (fewer at an end-of-generation token, which
+    is left out). `ctx` is reset before and after."""
     import numpy as np
 
     ctx.reset()
@@ -170,8 +171,9 @@ def _greedy(ctx, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def _hits(ctx, prompt: list[int], answer: list[int]) -> list[bool]:
-    """Teacher-forced: at each answer position, does the draft's argmax equal the parent's token?"""
+def draft_hits(ctx, prompt: list[int], answer: list[int]) -> list[bool]:
+    """Teacher-forced: at each answer position, does the draft's argmax equal the parent's token? (A greedy
+    draft proposes exactly these argmaxes for as long as it has matched.) `ctx` is reset before and after."""
     import numpy as np
 
     ctx.reset()
@@ -240,11 +242,11 @@ def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
     pairs_text = []
     for q in AGREEMENT_PROMPTS:
         prompt = pctx.model.chat_prompt([{"role": "user", "content": q}])
-        pairs_text.append((prompt, _greedy(pctx, prompt, AGREEMENT_TOKENS)))
+        pairs_text.append((prompt, greedy_answer(pctx, prompt, AGREEMENT_TOKENS)))
     tick("parent answers")
     agree, cycles = {}, {}
     for role in drafts:
-        per_prompt = [_hits(ctx_for(role), p, a) for p, a in pairs_text if a]
+        per_prompt = [draft_hits(ctx_for(role), p, a) for p, a in pairs_text if a]
         hits = [h for hs in per_prompt for h in hs]
         agree[role] = round(sum(hits) / max(1, len(hits)), 4)
         cycles[role] = expected_run_tokens(per_prompt, MAX_BATCH - 1)
