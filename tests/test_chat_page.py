@@ -302,7 +302,8 @@ def test_model_output_is_shown_as_text_never_as_html(page):
 
 @pytest.fixture(scope="module")
 def fault_server(family_dir):
-    s = ServerProc(["--family", str(family_dir), "--policy", "parent", "--policies", "parent", "--queue", "0"])
+    s = ServerProc(["--family", str(family_dir), "--policy", "parent", "--policies", "parent", "--queue", "0",
+                    "--parallel", "1"])
     yield s
     s.stop(signal.SIGKILL)
 

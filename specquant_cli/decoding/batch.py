@@ -55,9 +55,8 @@ class BatchStats:
 
 class Batcher:
     """The rendezvous of the requests decoding together. Requests are `member`s while they generate; their
-    calls run on the batcher's own thread, in rounds. One thread makes every llama.cpp compute call: ggml's
-    OpenMP build keeps a team of worker threads per calling thread, and idle teams spinning beside the
-    working one made a 3-token round take 2.5x as long (measured on the 1.5B parent, 2 cores)."""
+    calls run on the batcher's own thread, in rounds, so that one thread makes every llama.cpp compute call
+    (ggml's OpenMP build keeps a team of worker threads per calling thread)."""
 
     def __init__(self, max_wait_s: float = MAX_WAIT_S):
         self.max_wait_s = max_wait_s
