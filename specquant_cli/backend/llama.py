@@ -317,8 +317,9 @@ def common_prefix(cached: Sequence[int], tokens: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    """Prefix reuse over a token list that mirrors a KV cache. Subclasses provide `tokens`, `decode` and
-    `rewind`; the scripted test context inherits this too, so tests run the real prefix logic."""
+    """Prefix reuse over a token list that mirrors a KV cache. Subclasses provide `tokens`, `n_ctx`, `n_batch`,
+    `rewind` and `_decode_run` (or their own `decode`); the scripted test context inherits this too, so tests
+    run the real prefix logic."""
 
     tokens: list[int]
 
@@ -328,6 +329,29 @@ class PrefixCache:
 
     def common_prefix(self, tokens: Sequence[int]) -> int:
         return common_prefix(self.tokens, tokens)
+
+    def decode(self, tokens: Sequence[int], logits: LogitsMode = "last") -> None:
+        """Append tokens at the end of the cache. logits: 'last', 'all' or 'none' (rows kept for `logits`).
+        A run longer than n_batch is split; with 'all' it must fit one batch. Each run goes to
+        `_decode_run(chunk, rows)` (a llama.cpp call here, the batcher for a sequence of a shared context)."""
+        n = len(tokens)
+        if n == 0:
+            return
+        if self.n_past + n > self.n_ctx:
+            raise InputError(f"context full: {self.n_past} + {n} tokens > n_ctx {self.n_ctx}")
+        if logits == "all" and n > self.n_batch:
+            raise LlamaError(f"cannot score {n} tokens in one batch of {self.n_batch}")
+        for start in range(0, n, self.n_batch):
+            chunk = list(tokens[start:start + self.n_batch])
+            last_chunk = start + self.n_batch >= n
+            rows = list(range(len(chunk))) if logits == "all" else [len(chunk) - 1] if logits == "last" and \
+                last_chunk else []
+            self._decode_run(chunk, rows)
+            self.tokens.extend(chunk)
+
+    def _decode_run(self, chunk: list[int], rows: list[int]) -> None:
+        """Decode `chunk` at the end of the cache (which does not yet list it), with logits for `rows`."""
+        raise NotImplementedError
 
     def sync(self, tokens: Sequence[int], logits: LogitsMode = "last") -> int:
         """Make the cache hold exactly `tokens`, reusing the longest cached prefix; returns tokens decoded.
@@ -383,24 +407,9 @@ class Context(PrefixCache):
         ref = weakref.ref(self)
         model._stack.callback(lambda: (c := ref()) is not None and c.close())  # freed before its model
 
-    def decode(self, tokens: Sequence[int], logits: LogitsMode = "last") -> None:
-        """Append tokens to sequence 0 at the end of the cache. logits: 'last', 'all' or 'none' (rows kept
-        for `logits`). A run longer than n_batch is split; with 'all' it must fit one batch."""
-        n = len(tokens)
-        if n == 0:
-            return
-        if self.n_past + n > self.n_ctx:
-            raise InputError(f"context full: {self.n_past} + {n} tokens > n_ctx {self.n_ctx}")
-        if logits == "all" and n > self.n_batch:
-            raise LlamaError(f"cannot score {n} tokens in one batch of {self.n_batch}")
-        for start in range(0, n, self.n_batch):
-            chunk = list(tokens[start:start + self.n_batch])
-            last_chunk = start + self.n_batch >= n
-            rows = range(len(chunk)) if logits == "all" else [len(chunk) - 1] if logits == "last" and last_chunk \
-                else []
-            pos0 = self.n_past
-            self.decode_at(chunk, [pos0 + i for i in range(len(chunk))], [(0,)] * len(chunk), rows)
-            self.tokens.extend(chunk)
+    def _decode_run(self, chunk: list[int], rows: list[int]) -> None:
+        pos0 = self.n_past
+        self.decode_at(chunk, [pos0 + i for i in range(len(chunk))], [(0,)] * len(chunk), rows)
 
     def decode_at(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]],
                   logit_rows: Sequence[int]) -> None:

@@ -23,8 +23,7 @@ from typing import Optional
 import numpy as np
 
 from specquant_cli.backend.llama import Context, PrefixCache
-from specquant_cli.errors import InputError, LlamaError
-from specquant_cli.names import LogitsMode
+from specquant_cli.errors import LlamaError
 
 # A round starts once every active request waits on one; a request that is busy longer than this (planning
 # a long prompt, a KV import) does not hold the others back: the round runs without it.
@@ -204,24 +203,11 @@ class SeqView(PrefixCache):
         with batcher.ops:  # whatever an earlier view of this sequence left is not what `tokens` says
             ctx.remove(seq, 0, -1)
 
-    def decode(self, tokens: Sequence[int], logits: LogitsMode = "last") -> None:
-        """As `Context.decode`, through the batcher."""
-        n = len(tokens)
-        if n == 0:
-            return
-        if self.n_past + n > self.n_ctx:
-            raise InputError(f"context full: {self.n_past} + {n} tokens > n_ctx {self.n_ctx}")
-        if logits == "all" and n > self.n_batch:
-            raise LlamaError(f"cannot score {n} tokens in one batch of {self.n_batch}")
-        for start in range(0, n, self.n_batch):
-            chunk = list(tokens[start:start + self.n_batch])
-            last = start + self.n_batch >= n
-            rows = list(range(len(chunk))) if logits == "all" else [len(chunk) - 1] if logits == "last" and last \
-                else []
-            pos0 = self.n_past
-            call = self.batcher.decode(Call(self.ctx, self.seq, chunk, [pos0 + i for i in range(len(chunk))], rows))
-            self.tokens.extend(chunk)
-            self._rows, self._last_n = call.out, len(chunk)
+    def _decode_run(self, chunk: list[int], rows: list[int]) -> None:
+        """Through the batcher: the call waits for its round."""
+        pos0 = self.n_past
+        call = self.batcher.decode(Call(self.ctx, self.seq, chunk, [pos0 + i for i in range(len(chunk))], rows))
+        self._rows, self._last_n = call.out, len(chunk)
 
     def logits(self, i: int = -1) -> np.ndarray:
         """Row i of this view's last decoded batch (negative: from its end)."""
