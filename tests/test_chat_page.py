@@ -2,8 +2,8 @@
 
 The page and its headers are checked over HTTP first (no browser, no model). The browser tests start real
 servers on the demo family: `page_server` (API key, policies auto/parent/spec-q4) for the answers, the key,
-Stop and the rendering; `fault_server` (parent only, no queue) for the busy and dead-server messages. Without
-Chromium and its driver the browser tests fail (scripts/test.sh installs them: apt-get install chromium
+Stop and the rendering; `fault_server` (parent by default, no queue) for the busy and dead-server messages.
+Without Chromium and its driver the browser tests fail (scripts/test.sh installs them: apt-get install chromium
 chromium-driver); Selenium Manager's own download is never used."""
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def test_a_wrong_key_shows_the_401_message_and_the_right_one_recovers(page):
     page.wait(lambda d: "401" in page.error())
     assert "refused the API key" in page.error() and page.shown("key-form") and page.idle()
     page.d.execute_script("document.getElementById('error').hidden = true")  # the next message is the chat's
-    page.send(PROMPT, "auto")  # the selector still offers the default
+    page.send(PROMPT, "")  # the policies are not loaded: the selector offers the server's default (sends none)
     page.wait(lambda d: not page.turns() and page.idle() and "401" in page.error())
     assert page.el("prompt").get_property("value") == PROMPT  # given back for a retry
     page.enter_key(KEY)
@@ -302,7 +302,7 @@ def test_model_output_is_shown_as_text_never_as_html(page):
 
 @pytest.fixture(scope="module")
 def fault_server(family_dir):
-    s = ServerProc(["--family", str(family_dir), "--policy", "parent", "--policies", "parent", "--queue", "0",
+    s = ServerProc(["--family", str(family_dir), "--policy", "parent", "--policies", "auto,parent", "--queue", "0",
                     "--parallel", "1"])
     yield s
     s.stop(signal.SIGKILL)
@@ -313,6 +313,7 @@ def test_busy_and_dead_server_show_readable_messages_not_a_spinner(browser, faul
     page = Page(browser, fault_server.url).open()
     page.wait(lambda d: page.el("model-name").text == "smollm2-135m")
     assert not page.shown("key-form")  # no key on this server: the page never asks
+    assert page.policies() == (["auto", "parent"], "parent")  # the server's default is selected, not auto
     client = fault_server.client(key="unused")
     stream = client.completions.create(model="m", prompt=COUNTING, max_tokens=LONG, temperature=0, stream=True)
     try:

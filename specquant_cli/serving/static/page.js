@@ -165,7 +165,8 @@
 
   // -- models -----------------------------------------------------------------------------------
 
-  function fillPolicies(policies, fallback) {
+  // The server's policies, its default selected (an empty choice sends none: the server's default applies).
+  function fillPolicies(policies, defaultPolicy) {
     const select = $("policy");
     select.replaceChildren();
     for (const name of policies) {
@@ -174,7 +175,7 @@
       option.textContent = name;
       select.append(option);
     }
-    select.value = policies.includes("auto") ? "auto" : fallback;
+    select.value = policies.includes(defaultPolicy) ? defaultPolicy : (policies[0] || "");
   }
 
   async function loadModels() {
@@ -194,7 +195,7 @@
     state.model = card.id;
     state.parentTps = typeof sq.parent_tokens_per_s === "number" ? sq.parent_tokens_per_s : null;
     $("model-name").textContent = card.id;
-    fillPolicies(sq.policies || [sq.default_policy || "auto"], sq.default_policy || "auto");
+    fillPolicies(sq.policies || (sq.default_policy ? [sq.default_policy] : []), sq.default_policy);
     setStat("stat-parent", state.parentTps ? fmt(state.parentTps, 1) : "not calibrated");
     clearError();
   }
