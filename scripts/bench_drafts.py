@@ -117,7 +117,8 @@ def perplexity(model: Model, tokens: list[int]) -> float:
 
 def make_missing(fam: Family, roles: list[str], threads: int) -> None:
     from specquant_cli.family import imatrix as im
-    from specquant_cli.family.recipes import RECIPES, add_variants
+    from specquant_cli.family.recipes import add_variants
+    from specquant_cli.family.variants import RECIPES
 
     want = [RECIPES[r] for r in roles if r in RECIPES]
     if not want:

@@ -126,11 +126,11 @@ def per_call_ms(ctx, prefix: list[int], n: int, reps: int) -> float:
 
 
 def tok_s(rt: Runtime, prompts, max_tokens: int, spec: bool, ref: dict) -> float:
-    parent = rt.context("f16")
+    parent = rt.pool.context("f16")
     rates = []
     for i, p in enumerate(prompts):
         rt.reset_caches()
-        eng = Engine(parent, ModelDrafter(rt.context("q4"), "q4"), AdaptiveGamma()) if spec else Engine(parent)
+        eng = Engine(parent, ModelDrafter(rt.pool.context("q4"), "q4"), AdaptiveGamma()) if spec else Engine(parent)
         _, toks, last = generate_text(eng, p, max_tokens)
         if i in ref and toks != ref[i]:
             say(f"  WARNING: output of prompt {i + 1} differs from the local parent's")
@@ -142,7 +142,7 @@ def tok_s(rt: Runtime, prompts, max_tokens: int, spec: bool, ref: dict) -> float
 def measure(fam: Family, rpc: list[str], a, ref: dict, spec: bool, calls: bool) -> dict:
     rt = open_session(SessionSettings(n_ctx=a.n_ctx, rpc=rpc), family=fam).runtime
     try:
-        parent = rt.context("f16")
+        parent = rt.pool.context("f16")
         prompts = [parent.model.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS[:a.prompts]]
         generate_text(Engine(parent), prompts[0], 4)  # warm-up
         row = {"parent": tok_s(rt, prompts, a.max_tokens, False, ref)}

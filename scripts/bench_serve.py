@@ -119,9 +119,9 @@ def judge(args, questions: list[str], rows: list[dict]) -> dict:
     from specquant_cli.family.roles import PARENT_ROLE
     from specquant_cli.runtime import Runtime
 
-    rt = Runtime(Family.load(args.family))
+    rt = Runtime.open(Family.load(args.family))
     try:
-        ctx = rt.context(PARENT_ROLE)
+        ctx = rt.pool.context(PARENT_ROLE)
         noise = fidelity.measure_noise(ctx, 4, 8)
         prompts = [ctx.model.chat_prompt([{"role": "user", "content": q}]) for q in questions]
         reference = []

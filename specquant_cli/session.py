@@ -5,15 +5,19 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Optional
 
 from specquant_cli.decoding.sampling import SamplingParams
 from specquant_cli.decoding.stream import Response, stream_generate
+from specquant_cli.errors import FamilyError
+from specquant_cli.family.manifest import Family
 from specquant_cli.reporting import SILENT, Reporter
-from specquant_cli.routing.policies import DEFAULT_POLICY, Plan, PlanContext, check_policy, plan_for
+from specquant_cli.routing.plan import Plan, PlanContext
+from specquant_cli.routing.policies import DEFAULT_POLICY, check_policy, plan_for
 from specquant_cli.routing.router import Route, Router
 from specquant_cli.runtime import Runtime
-from specquant_cli.settings import SessionSettings
+from specquant_cli.settings import DEFAULT_FAMILY_DIR, SessionSettings, env
 
 
 @dataclass
@@ -36,6 +40,30 @@ class Answer:
         }
 
 
+def load_family(path: Optional[Path], warn=None):
+    """The family at `path`, else at $SPECQUANT_FAMILY, else the demo family's folder. `warn`: where the
+    warning of an interrupted update finished on the way goes (family.manifest.recover; none by default)."""
+    named = env("SPECQUANT_FAMILY")
+    root = path or (Path(named) if named else DEFAULT_FAMILY_DIR)
+    try:
+        return Family.load(root, warn)
+    except FamilyError:
+        if path is None and not named:
+            raise FamilyError(f"no model family at {root}; fetch the demo family with: specquant pull smollm2-135m") \
+                from None
+        raise
+
+
+def ctx_warning(fam, n_ctx: int) -> Optional[str]:
+    """--ctx above the model's trained context works in llama.cpp, but quality degrades past it: the line that
+    says so, None below it."""
+    trained = fam.hparams.get("context_length")
+    if trained and n_ctx > trained:
+        return (f"warning: --ctx {n_ctx} is above the model's trained context ({trained} tokens); answers past it "
+                "degrade")
+    return None
+
+
 def open_session(settings: SessionSettings, family=None, report: Reporter = SILENT,
                  warn_ctx: bool = False) -> ChatSession:
     """The one assembly point of every front end: family -> runtime -> router -> session.
@@ -51,7 +79,6 @@ def open_session(settings: SessionSettings, family=None, report: Reporter = SILE
     is checked against the family's roles here, before any model loads. The caller closes
     `session.runtime`."""
     from specquant_cli.routing.router import Router, load_config
-    from specquant_cli.settings import ctx_warning, load_family
 
     router_config = load_config(settings.router_config)
     fam = family if family is not None else load_family(settings.family, report.warn)
@@ -59,9 +86,9 @@ def open_session(settings: SessionSettings, family=None, report: Reporter = SILE
     warning = ctx_warning(fam, settings.n_ctx)
     if warn_ctx and warning:
         report.say(warning)
-    runtime = Runtime(fam, n_ctx=settings.n_ctx, threads=settings.threads, facts=settings.facts, rpc=settings.rpc,
-                      parallel=settings.parallel, report=report,
-                      **({"gamma": settings.gamma} if settings.gamma is not None else {}))
+    runtime = Runtime.open(fam, n_ctx=settings.n_ctx, threads=settings.threads, facts=settings.facts,
+                           rpc=settings.rpc, parallel=settings.parallel, report=report,
+                           **({"gamma": settings.gamma} if settings.gamma is not None else {}))
     router = Router(router_config, runtime.count_tokens, max_tokens=settings.n_ctx)
     return ChatSession(runtime, router, policy, settings.sampling or SamplingParams(), settings.max_tokens,
                        settings.system, settings.stop)

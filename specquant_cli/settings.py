@@ -1,9 +1,9 @@
 """Settings, in one place: what a session is opened with (`SessionSettings`) and every `SPECQUANT_*` environment
 variable (`ENV`, read only through `env`). Commands and the server turn their options into a
 `SessionSettings` and call `session.open_session`; core code receives settings and never reads `os.environ`.
-Who reads each variable: `load_family` (FAMILY), backend.llama (THREADS, MMAP, LLAMA_LOG), system.rpc
+Who reads each variable: `session.load_family` (FAMILY), backend.llama (THREADS, MMAP, LLAMA_LOG), system.rpc
 (RPC_TIMEOUT), the `--rpc` and `--api-key` options (RPC, API_KEY: typer's envvar), cli and serving.app
-(DEBUG), system.selftest (SELFTEST_*) — each through `env`."""
+(DEBUG), backend.selftest (SELFTEST_*) — each through `env`."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ ENV = {
     "SPECQUANT_SELFTEST_CHILD": "set in the build self-test's child processes",
     "SPECQUANT_SELFTEST_FAULT": "a fault the self-test's tests inject",
 }
-DEFAULT_FAMILY_DIR = Path("models") / "smollm2-135m"
+DEFAULT_FAMILY_DIR = Path("models") / "smollm2-135m"  # where session.load_family looks when nothing names a family
 DEFAULT_CTX = 4096
 
 
@@ -42,33 +42,6 @@ def env(name: str) -> str:
 def debug() -> bool:
     """SPECQUANT_DEBUG: errors are re-raised with their traceback."""
     return env("SPECQUANT_DEBUG") not in ("", "0")
-
-
-def load_family(path: Optional[Path], warn=None):
-    """The family at `path`, else at $SPECQUANT_FAMILY, else the demo family's folder. `warn`: where the
-    warning of an interrupted update finished on the way goes (family.manifest.recover; none by default)."""
-    from specquant_cli.errors import FamilyError
-    from specquant_cli.family.manifest import Family
-
-    named = env("SPECQUANT_FAMILY")
-    root = path or (Path(named) if named else DEFAULT_FAMILY_DIR)
-    try:
-        return Family.load(root, warn)
-    except FamilyError:
-        if path is None and not named:
-            raise FamilyError(f"no model family at {root}; fetch the demo family with: specquant pull smollm2-135m") \
-                from None
-        raise
-
-
-def ctx_warning(fam, n_ctx: int) -> Optional[str]:
-    """--ctx above the model's trained context works in llama.cpp, but quality degrades past it: the line that
-    says so, None below it."""
-    trained = fam.hparams.get("context_length")
-    if trained and n_ctx > trained:
-        return (f"warning: --ctx {n_ctx} is above the model's trained context ({trained} tokens); answers past it "
-                "degrade")
-    return None
 
 
 @dataclass

@@ -18,7 +18,7 @@ def selftest_cache(tmp_path_factory) -> Iterator[Path]:
     run, instead of dying of a signal mid-suite."""
     import os
 
-    from specquant_cli.system import selftest
+    from specquant_cli.backend import selftest
 
     cache = tmp_path_factory.mktemp("xdg-cache")
     old = os.environ.get("XDG_CACHE_HOME")

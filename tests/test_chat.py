@@ -112,7 +112,7 @@ def test_interactive_keeps_history(family_dir):
     from specquant_cli.runtime import Runtime
     from specquant_cli.session import ChatSession
 
-    rt = Runtime(Family.load(family_dir), n_ctx=1024)
+    rt = Runtime.open(Family.load(family_dir), n_ctx=1024)
     s = ChatSession(rt, Router(), "parent", max_tokens=6)
     for text in ("My name is Ada.", "What is my name?"):
         _, recs = s.ask(text)

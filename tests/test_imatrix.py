@@ -161,7 +161,7 @@ def test_spec_policies_over_new_roles_are_greedy_identical_to_parent(fam):
     from specquant_cli.session import ChatSession
 
     root, _ = fam
-    rt = Runtime(Family.load(root), n_ctx=1024)
+    rt = Runtime.open(Family.load(root), n_ctx=1024)
     texts = {}
     try:
         for policy in ("parent", "spec-q4i"):

@@ -96,7 +96,7 @@ def test_multi_turn_chat_keeps_working_with_import(family_dir):
     from specquant_cli.runtime import Runtime
     from specquant_cli.session import ChatSession
 
-    rt = Runtime(Family.load(family_dir), n_ctx=2048)
+    rt = Runtime.open(Family.load(family_dir), n_ctx=2048)
     try:
         runs = {}
         for policy in ("parent", "spec-q4"):

@@ -98,7 +98,7 @@ class AlternatingPlanner:
         self.observed = []
 
     def plan(self, ctx):
-        from specquant_cli.routing.policies import Plan
+        from specquant_cli.routing.plan import Plan
 
         draft = "q4" if len(self.observed) % 2 == 0 else None
         return Plan(ctx.policy, ctx.tier, "f16", draft, "fixed" if draft else "none", why="alternating")
@@ -116,7 +116,7 @@ def test_a_registered_planner_plans_and_hears_every_answer(family):
 
     register_policy(PolicySpec("test-planner", "test only: alternating plans", planner=AlternatingPlanner,
                                roles=("q4",), in_bench=False))
-    rt = Runtime(family, n_ctx=512)
+    rt = Runtime.open(family, n_ctx=512)
     try:
         session = ChatSession(rt, Router(), "test-planner", max_tokens=12)
         texts = []

@@ -17,7 +17,7 @@ def test_parent_first_whatever_the_names():
 
 def test_recipe_roles_come_from_the_recipe_table():
     from specquant_cli.decoding.registry import DRAFTERS
-    from specquant_cli.family.recipes import RECIPES
+    from specquant_cli.family.variants import RECIPES
     from specquant_cli.routing.policies import POLICIES
 
     assert roles.recipe_roles() == tuple(RECIPES)
@@ -54,9 +54,9 @@ def test_a_new_draft_role_is_one_manifest_row(d35_family):
 
     assert "d35" not in DRAFTERS
     assert d35_family.roles()[0] == "f16"
-    rt = Runtime(d35_family)
+    rt = Runtime.open(d35_family)
     try:
-        assert "d35" in rt.draft_roles() and DRAFTERS["d35"].roles == ("d35",) and "suffix+d35" in DRAFTERS
+        assert "d35" in rt.pool.draft_roles and DRAFTERS["d35"].roles == ("d35",) and "suffix+d35" in DRAFTERS
         assert plan_for("spec-d35", "low").roles == ["f16", "d35"]
         assert all_roles(["spec-d35", "parent"]) == ["f16", "d35"]
     finally:
@@ -69,7 +69,7 @@ def test_a_new_draft_role_drafts_losslessly(d35_family):
     from specquant_cli.runtime import Runtime
     from specquant_cli.session import ChatSession
 
-    rt = Runtime(d35_family, n_ctx=512)
+    rt = Runtime.open(d35_family, n_ctx=512)
     try:
         session = ChatSession(rt, Router(), "parent", SamplingParams(), max_tokens=16)
         texts = {}

@@ -11,7 +11,8 @@ import sys
 import pytest
 from hostile_util import assert_clean_error
 
-from specquant_cli.system import hardware, selftest
+from specquant_cli.backend import selftest
+from specquant_cli.system import hardware
 
 from conftest import REPO, run_cli
 
@@ -114,7 +115,7 @@ def test_doctor_json_reports_the_build_and_its_selftest():
 
 
 def test_child_refuses_an_unknown_type(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "specquant_cli.system.selftest", str(tmp_path), "q9_9"],
+    p = subprocess.run([sys.executable, "-m", "specquant_cli.backend.selftest_child", str(tmp_path), "q9_9"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "unknown type q9_9" in p.stderr
 

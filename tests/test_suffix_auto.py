@@ -112,7 +112,8 @@ def test_auto_weighs_a_recipe_draft_only_once_it_is_measured():
 
 
 def test_auto_plan_for_a_recipe_draft_loads_it_and_adapts_its_length():
-    from specquant_cli.routing.policies import PlanContext, plan_for
+    from specquant_cli.routing.plan import PlanContext
+    from specquant_cli.routing.policies import plan_for
 
     c = cal(step_ratio=0.9)
     c.draft_step_s["q4i"] = 0.1 * 0.15

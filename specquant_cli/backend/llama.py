@@ -167,7 +167,7 @@ class Model:
         if not self.path.is_file():
             raise InputError(f"{self.path}: no such model file")
         if not vocab_only:  # a build that faults on this CPU is met by the self-test's child, not here
-            from specquant_cli.system import selftest
+            from specquant_cli.backend import selftest
 
             selftest.ensure(status=_status)
         params = llama_cpp.llama_model_default_params()

@@ -64,7 +64,7 @@ def warm_up(runtime: Runtime, roles: Sequence[str], runs: int) -> None:
     from specquant_cli.decoding.stream import generate_text
 
     for role in roles:
-        ctx = runtime.context(role)
+        ctx = runtime.pool.context(role)
         prompt = ctx.model.chat_prompt([{"role": "user", "content": "Say hello."}])
         for _ in range(runs):
             generate_text(Engine(ctx), prompt, 8)
@@ -76,7 +76,7 @@ def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Seque
     from specquant_cli.routing.policies import all_roles, policy_spec
 
     roles = all_roles(list(policies))
-    runtime.ensure(roles)
+    runtime.pool.ensure(roles)
     warm_up(runtime, roles, warmup)
     if any(policy_spec(p).planner is not None for p in policies):
         runtime.calibration()  # measured (once per machine) before anything is timed
@@ -135,7 +135,7 @@ def judge_fidelity(runtime: Runtime, router: Router, items: Sequence[Item], reco
     each judged record's `fidelity`. None for sampled runs or without the parent's answers to compare with."""
     if not sp.greedy or not any(r.policy == "parent" for r in records):
         return None
-    ctx = runtime.context(PARENT_ROLE)
+    ctx = runtime.pool.context(PARENT_ROLE)
     session = ChatSession(runtime, router, "parent", sp)  # renders a prompt exactly as the timed runs did
     prompts = {i.id: ctx.model.chat_prompt(session.messages(i.prompt)) for i in items}
-    return fidelity.check(ctx, records, prompts, runtime.gamma, ADAPTIVE_GAMMA_MAX)
+    return fidelity.check(ctx, records, prompts, runtime.costs.gamma, ADAPTIVE_GAMMA_MAX)

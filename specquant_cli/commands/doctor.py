@@ -33,7 +33,8 @@ def doctor(
     json_out: bool = JsonOpt,
     rpc: Optional[str] = RpcOpt,
 ) -> None:
-    from specquant_cli.system import hardware, selftest
+    from specquant_cli.backend import selftest
+    from specquant_cli.system import hardware
     from specquant_cli.system.placement import family_placements
 
     facts = hardware.detect()

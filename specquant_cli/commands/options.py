@@ -60,18 +60,18 @@ def split_list(value: Optional[str], option: str, what: str) -> Optional[list[st
 
 
 def load_family(path: Optional[Path]):
-    """settings.load_family at the command edge: a warning on the way (an interrupted update finished) goes to
+    """session.load_family at the command edge: a warning on the way (an interrupted update finished) goes to
     the stderr console."""
-    from specquant_cli import settings
+    from specquant_cli import session
     from specquant_cli.console import warn
 
-    return settings.load_family(path, warn)
+    return session.load_family(path, warn)
 
 
 def warn_above_trained_ctx(fam, n_ctx: int) -> None:
     """--ctx above the model's trained context works in llama.cpp, but quality degrades past it: say so."""
     from specquant_cli.console import err
-    from specquant_cli.settings import ctx_warning
+    from specquant_cli.session import ctx_warning
 
     warning = ctx_warning(fam, n_ctx)
     if warning:

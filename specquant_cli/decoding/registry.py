@@ -18,16 +18,17 @@ DRAFT_WINDOW = 128
 
 
 class DraftHost(Protocol):
-    """What a drafter spec may ask of the runtime that builds it."""
+    """What a drafter spec may ask of the runtime that builds it (runtime.drafters.DrafterCache): settings,
+    models, measured costs, and the other drafters of the same scope (the policy being built for)."""
 
     p_min: Optional[float]
     kv_import: bool
 
     def context(self, role: str) -> TokenContext: ...
 
-    scope: str  # the policy being built for (persistent drafters are kept per scope)
-
-    def drafter(self, name: str, target: str, scope: str = "") -> Drafter: ...
+    def drafter(self, name: str, target: str) -> Drafter:
+        """Another registered drafter, from the same scope (a persistent one shared with it)."""
+        ...
 
     def verify_cost(self) -> Callable[[int], float]:
         """A parent call on n tokens relative to one token (measured, or the prior shape)."""
@@ -86,7 +87,7 @@ def _suffix_then(role: str):
     def build(host: DraftHost, target: str) -> Drafter:
         from specquant_cli.decoding.drafters import FallbackDrafter
 
-        return FallbackDrafter(host.drafter("suffix", target, host.scope), _model(role)(host, target),
+        return FallbackDrafter(host.drafter("suffix", target), _model(role)(host, target),
                                activate_after=0, model_gamma=host.model_gamma(role, 4))
 
     return build
@@ -133,7 +134,7 @@ for _role in builtin_draft_roles():
 
 
 def register_family_drafters(roles) -> list[str]:
-    """The one call that registers an opened family's role drafters (Runtime makes it when it opens a family):
+    """The one call that registers an opened family's role drafters (Runtime.open makes it):
     every draft role gets `register_role_drafters`. Returns `model_draft_roles(roles)`."""
     for r in draft_roles(roles):
         register_role_drafters(r)

@@ -32,12 +32,8 @@ from typing import Optional
 import numpy as np
 
 from specquant_cli.errors import InputError, LlamaError
+from specquant_cli.family.variants import LADDER
 
-# Default ladder. K-quants from 4 bits up are left out on purpose: on a family whose F16 base was
-# dequantized from Q4_K_M (qwen2.5-coder-1.5b), Q4_K/Q6_K reproduce the origin's grid almost exactly, and a
-# draft graded into them would agree with the base for that reason only (see the q4 role's note). Q4_0
-# also has the CPU's fastest (repacked) kernels.
-LADDER = ("q2_k", "q3_k", "q4_0", "q5_0", "q8_0")
 MAX_ROWS = 1024  # rows sampled per tensor for the error estimate (rows quantize independently)
 # Token embeddings that are only looked up (models with a separate output.weight) meet no activations: a
 # looked-up row is itself the layer-0 input, so its error counts every channel alike (weights of one), and

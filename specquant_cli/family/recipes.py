@@ -19,53 +19,18 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import FamilyError, InputError, LlamaError, ModelFileError, ResourceError
 from specquant_cli.family import grade as grading
-from specquant_cli.family.grade import LADDER
 from specquant_cli.family.roles import check_role
-from specquant_cli.family.variants import QUANT_TYPES, variant_record
+from specquant_cli.family.variants import LADDER, QUANT_TYPES, RECIPES, Recipe, variant_record
 
 ProgressFn = Callable[[str, int, int], None]  # (stage label, done, total)
 LOG = "quantize.log"
-
-
-@dataclass(frozen=True)
-class Recipe:
-    role: str
-    base: str = "q4_0"  # llama_ftype of the file, and the type of quantizable tensors the plan does not grade
-    imatrix: bool = False
-    grade: Optional[float] = None  # target bits per weight (tensor data over all weights)
-    embeddings: Optional[str] = None  # token_embd / output type
-    ladder: tuple[str, ...] = LADDER
-    help: str = ""
-
-    @property
-    def label(self) -> str:
-        """The manifest's `type` for the role."""
-        if self.grade is not None:
-            return f"graded-{self.grade:g}bpw"
-        return "+".join([self.base] + (["imatrix"] if self.imatrix else [])
-                        + ([f"embd-{self.embeddings}"] if self.embeddings else []))
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("help")
-        d["ladder"] = list(self.ladder) if self.grade is not None else None
-        return d
-
-
-RECIPES = {r.role: r for r in (
-    Recipe("q4i", imatrix=True, help="Q4_0 weighted by the activation importance matrix"),
-    Recipe("q4s", embeddings="q4_0", help="Q4_0 with token embeddings and output at Q4_0 too"),
-    Recipe("q4si", imatrix=True, embeddings="q4_0", help="q4s weighted by the activation importance matrix"),
-    Recipe("q3g", imatrix=True, grade=3.5, help="graded precision, ~3.5 bits per weight, imatrix-weighted"),
-    Recipe("q3g30", imatrix=True, grade=3.0, help="graded precision, ~3.0 bits per weight, imatrix-weighted"),
-)}
 
 
 def default_role(bpw: float) -> str:

@@ -15,8 +15,8 @@ The role helpers, each with one meaning:
 * `is_role_name(name)`: whether `name` is spelled like a role (checking a stored file, `spec-<role>`).
 
 What depends on a loaded family lives with it: `decoding.registry.register_family_drafters` (the one call
-that registers a family's role drafters when it is opened), `Runtime.draft_roles` (the opened family's
-roles that draft as models), `Runtime.plannable_roles` (those a planner may pick now: loaded, or fitting
+that registers a family's role drafters when it is opened), `ModelPool.draft_roles` (the opened family's
+roles that draft as models), `runtime.pool.plannable_roles` (those a planner may pick now: loaded, or fitting
 beside what is) and `routing.policies.all_roles` (every role a set of policies may load)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterable
 
 from specquant_cli.errors import InputError
-from specquant_cli.family.variants import QUANT_TYPES
+from specquant_cli.family.variants import QUANT_TYPES, RECIPES
 
 Role = str
 PARENT_ROLE: Role = "f16"  # generates, verifies, and is the reference every lossless policy matches
@@ -39,9 +39,7 @@ ROLE_RULE = ("a role name starts with a lower-case letter, then up to 31 lower-c
 
 
 def recipe_roles() -> tuple[Role, ...]:
-    """The draft recipes' roles (q4i, q4s, q4si, q3g, q3g30), read from the recipe table (family.recipes)."""
-    from specquant_cli.family.recipes import RECIPES  # imported here: recipes imports this module
-
+    """The draft recipes' roles (q4i, q4s, q4si, q3g, q3g30), read from the recipe table (family.variants)."""
     return tuple(RECIPES)
 
 

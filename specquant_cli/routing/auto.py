@@ -17,7 +17,7 @@ import numpy as np
 
 from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX, best_draft_length, expected_tokens, verify_shape
 from specquant_cli.family.roles import PARENT_ROLE, STANDARD_DRAFTS
-from specquant_cli.routing.policies import Plan, PlanContext
+from specquant_cli.routing.plan import Plan, PlanContext
 
 # Per-token acceptance prior of a q4 draft with the parent's own KV cache (Spec-Bench on the 1.5B
 # family: 89 %; lower on a true F16 base, see the provenance caveat), and of q8.
@@ -70,7 +70,7 @@ class Candidate:
 
     @property
     def gamma_policy(self) -> str:
-        """How the plan's draft length is chosen (routing.policies.GammaPolicyKind): a model alone adapts from
+        """How the plan's draft length is chosen (routing.plan.GammaPolicyKind): a model alone adapts from
         the calibration, suffix drafts (alone or mixed) size their own drafts up to a cap."""
         return "none" if self.drafter is None else "calibrated" if self.model else "capped"
 
@@ -168,7 +168,7 @@ def choose(cands: list[Candidate]) -> Candidate:
 
 
 class AutoPlanner:
-    """The auto policy's planner (routing.policies.Planner): `plan` predicts every candidate from the context
+    """The auto policy's planner (routing.plan.Planner): `plan` predicts every candidate from the context
     and runs the best; `observe` feeds the decode speedup an answer achieved (vs the calibrated parent step)
     back into the session's estimate for its tier and plan."""
 

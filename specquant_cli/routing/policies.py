@@ -4,27 +4,20 @@ One table (`POLICIES`, filled by `register_policy`) from which the policy list, 
 bench's default set, each plan's roles and the README's policy table are derived.
 
 A policy either maps the route to a plan by its row (`drafter`, `by_tier`), or names a `Planner` that
-decides per prompt and learns from each answer (`auto`). A `Plan` says what runs — the target role, the
-drafter, and how the draft length γ is chosen (`GammaPolicyKind`) — so the runtime builds it without
-asking which policy made it."""
+decides per prompt and learns from each answer (`auto`); both give a `routing.plan.Plan`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Literal, Optional, Protocol
+from dataclasses import dataclass
+from typing import Optional
 
 from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX
 from specquant_cli.decoding.registry import drafter_spec
 from specquant_cli.errors import InputError
 from specquant_cli.family.roles import PARENT_ROLE, STANDARD_DRAFTS, is_role_name
 from specquant_cli.names import TIERS, Tier
-
-# How a plan's draft length γ is chosen (Runtime.engine builds the matching decoding.gamma policy):
-# none: no drafter; fixed: the session's --gamma; adaptive: adapted to measured costs and acceptance, from
-# priors; calibrated: adaptive, seeded with this machine's calibration for the draft role; capped: the
-# drafter sizes each draft itself, up to `gamma_cap`.
-GammaPolicyKind = Literal["none", "fixed", "adaptive", "calibrated", "capped"]
+from specquant_cli.routing.plan import GammaPolicyKind, Plan, PlanContext, Planner
 
 
 @dataclass(frozen=True)
@@ -63,30 +56,6 @@ POLICIES: dict[str, PolicySpec] = {}
 DEFAULT_POLICY = "auto"
 
 
-@dataclass
-class PlanContext:
-    """What a planner sees of one prompt: its route, copy potential, the roles it may pick (the family's,
-    those that fit) and this machine's measured costs (None: uncalibrated). What the session has measured
-    so far is the planner's own state."""
-
-    policy: str
-    tier: Optional[Tier]
-    copy: float = 0.0
-    roles: tuple[str, ...] = ()
-    calibration: object = None
-
-
-class Planner(Protocol):
-    """A policy that decides per prompt: `plan(context)` before an answer, `observe(answer)` after it (the
-    answer's plan, route and last record: what it achieved) — the policy-level twin of a drafter's `feedback`.
-    The runtime keeps one per policy for the session, so what it learns carries over to the next prompt.
-    Adding a planner is one module plus one row in the table below (`PolicySpec(..., planner=Factory)`)."""
-
-    def plan(self, context: PlanContext) -> Plan: ...
-
-    def observe(self, answer) -> None: ...
-
-
 def _auto_planner() -> Planner:
     from specquant_cli.routing.auto import AutoPlanner  # imported when first used: numpy, the cost model
 
@@ -95,7 +64,7 @@ def _auto_planner() -> Planner:
 
 def _recipe_policies() -> list[PolicySpec]:
     """`spec-<recipe>` for every draft recipe of family.recipes (q4i, q4s, …), described by its recipe."""
-    from specquant_cli.family.recipes import RECIPES
+    from specquant_cli.family.variants import RECIPES
 
     return [PolicySpec(f"spec-{r.role}", f"`{r.role}` ({r.help}) drafts, F16 verifies", drafter=r.role, in_bench=False)
             for r in RECIPES.values()]
@@ -136,37 +105,6 @@ for _spec in (
     register_policy(_spec)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What runs for one prompt: the target role, the drafter (a registry name) and how γ is chosen
-    (`gamma_policy`, up to `gamma_cap` when "capped"; "none" without a drafter)."""
-
-    policy: str
-    tier: Optional[Tier]
-    target: str
-    drafter: Optional[str]
-    gamma_policy: GammaPolicyKind = "fixed"
-    lossy: bool = False
-    gamma_cap: Optional[int] = None
-    candidates: tuple = field(default=(), compare=False)  # a planner's predictions, best first
-    why: str = ""
-
-    @property
-    def roles(self) -> list[str]:
-        """Family roles this plan loads, target first."""
-        extra = _drafter_roles(self.drafter) if self.drafter else ()
-        return [self.target] + [r for r in extra if r != self.target]
-
-    def describe(self) -> str:
-        how = f"{self.target} alone" if not self.drafter else f"{self.drafter} drafts, {self.target} verifies"
-        return how + (" (lossy)" if self.lossy else "")
-
-    def to_dict(self) -> dict:
-        """The plan as JSON (`route --json`): its drafter under the key "draft", as it always was."""
-        return {**{("draft" if k == "drafter" else k): v for k, v in asdict(self).items()},
-                "description": self.describe()}
-
-
 def bench_policies() -> list[str]:
     return [n for n, s in POLICIES.items() if s.in_bench]
 
@@ -192,14 +130,6 @@ def policy_spec(name: str) -> PolicySpec:
             return PolicySpec(name, f"`{role}` drafts, F16 verifies", drafter=role, in_bench=False)
     raise InputError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}, or spec-<role> for "
                      "another draft role of the family")
-
-
-def _drafter_roles(name: str) -> tuple[str, ...]:
-    """The roles drafter `name` loads; a name not registered yet is a role drafting as itself (spec-<role>)."""
-    from specquant_cli.decoding.registry import DRAFTERS
-
-    spec = DRAFTERS.get(name)
-    return spec.roles if spec is not None else (name,)
 
 
 def check_policy(name: str, roles: Optional[Sequence[str]] = None) -> str:

@@ -38,7 +38,7 @@ from specquant_cli.serving.schemas import (
 from specquant_cli.serving.worker import Job, disconnected
 
 if TYPE_CHECKING:
-    from specquant_cli.serving.server import Service
+    from specquant_cli.serving.service import Service
 
 POLICY_HEADER = "x-specquant-policy"
 DRAIN_BYTES = 32 << 20  # an oversized body is read (and dropped) this far past the cap, so the client reads the 413

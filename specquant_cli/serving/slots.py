@@ -1,9 +1,11 @@
 """Slots: what lets `serve --parallel N` decode N requests together.
 
-The pool is one `Runtime` whose contexts hold N sequences each. Slot i is a `SlotRuntime`: the pool's
-models, calibration and settings, sequence i of every context (`decoding.batch.SeqView`) and drafters of
-its own. A request runs in a slot exactly as it would alone (its own engine, plan, sampler and stop rules);
-the shared `Batcher` turns the parent calls of all the slots that need one into one llama.cpp call.
+The shared runtime's pool (runtime.pool.ModelPool) holds N sequences in each context. Slot i is a
+`Runtime` of its own over a `SlotPool` (the pool's models and settings, sequence i of every context:
+`decoding.batch.SeqView`), the shared measured costs as a batch sees them (`runtime.costs.BatchCosts`), and
+drafters and planners of its own. A request runs in a slot exactly as it would alone (its own engine,
+plan, sampler and stop rules); the shared `Batcher` turns the parent calls of all the slots that need one
+into one llama.cpp call.
 
 Planning knows the batch: a slot's calibration is the pool's as one of B sequences sees it
 (`Calibration.for_batch`), B being the requests in flight when it plans, so `auto` weighs a draft against
@@ -19,6 +21,7 @@ from typing import Optional
 from specquant_cli.decoding.batch import Batcher, SeqView
 from specquant_cli.errors import ResourceError
 from specquant_cli.runtime import Runtime
+from specquant_cli.runtime.pool import ModelPool
 
 MAX_PARALLEL = 8
 # Doubling the sequences decoded together must raise the parent's aggregate tokens/s by this much to be
@@ -35,71 +38,70 @@ def best_parallel(call_s: Callable[[int], float], cap: int = MAX_PARALLEL) -> in
     return n
 
 
-class SlotRuntime(Runtime):
-    """Slot `slot` of a pool runtime: same models, settings and measured costs; its own sequence of every
-    context and its own drafters. Models are loaded by the pool only (before serving starts)."""
+class SlotPool:
+    """Slot `slot`'s view of a pool: the pool's family, settings and vocabulary, and sequence `slot` of every
+    context it has loaded (decoding.batch.SeqView). Loads nothing: the pool loads every model before serving
+    starts, so a role it has not loaded is an error here, and only loaded roles fit."""
 
-    def __init__(self, pool: Runtime, slot: int, batcher: Batcher, batch_size: Callable[[], int]):
-        self.__dict__.update(pool.__dict__)  # settings, facts, vocabulary: the pool's
-        self.pool = pool
-        self.slot = slot
-        self.batcher = batcher
-        self._batch_size = batch_size
-        self._ctx = {role: SeqView(ctx, slot, batcher, pool.n_ctx) for role, ctx in pool._ctx.items()}
-        self._drafters = {}
-        self._planners = {}
-        self.scope = ""
+    def __init__(self, pool: ModelPool, slot: int, batcher: Batcher):
+        self._pool = pool
+        self.family = pool.family
+        self.n_ctx = pool.n_ctx
+        self.threads = pool.threads
+        self.rpc = pool.rpc
+        self.draft_roles = pool.draft_roles
+        self._views = {role: SeqView(ctx, slot, batcher, pool.n_ctx) for role, ctx in pool.contexts().items()}
 
-    def planner(self, policy: str):
-        """This slot's planner for `policy` at the current batch size: one per size, as a speedup measured
-        alone is not the one a plan gets among 8 sequences."""
-        from specquant_cli.routing.policies import policy_spec
+    @property
+    def facts(self):
+        return self._pool.facts
 
-        key = f"{policy}@{self._batch_size()}"
-        if key not in self._planners:
-            factory = policy_spec(policy).planner
-            self._planners[key] = factory() if factory is not None else None
-        return self._planners[key]
+    def loaded(self) -> list[str]:
+        return list(self._views)
 
     def tokenizer(self):
-        return self.pool.tokenizer()
+        return self._pool.tokenizer()
 
     def ensure(self, roles: list[str]) -> None:
-        missing = [r for r in roles if r not in self._ctx]
+        missing = [r for r in roles if r not in self._views]
         if missing:
             raise ResourceError(f"{', '.join(missing)} not loaded for concurrent serving")
 
-    def calibration(self, measure: bool = True, force: bool = False, require_save: bool = False):
-        """The pool's calibration (never measured from a slot), as one of the current batch sees it."""
-        c = self.pool.calibration(measure=False)
-        return c.for_batch(self._batch_size()) if c is not None else None
+    def context(self, role: str) -> SeqView:
+        self.ensure([role])
+        return self._views[role]
 
-    def plannable_roles(self) -> tuple[str, ...]:
-        return tuple(r for r in self.family.roles() if r in self._ctx)
-
-    def load_planner_drafts(self) -> list[str]:
-        return []
+    def fits(self, roles: list[str]) -> bool:
+        return all(r in self._views for r in roles)
 
     def release(self, roles: list[str]) -> None:
-        pass
+        pass  # the pool's models stay loaded for every slot
 
     def reset_caches(self) -> None:
-        for view in self._ctx.values():
+        for view in self._views.values():
             view.reset()
 
     def close(self) -> None:
         self.reset_caches()
-        self._drafters.clear()
+
+
+def slot_runtime(shared: Runtime, slot: int, batcher: Batcher, batch_size: Callable[[], int]) -> Runtime:
+    """Slot `slot` of the `shared` runtime: the same models, settings and measured costs — the costs as one of
+    `batch_size()` sequences sees them —, its own sequence of every context, drafters and planners."""
+    models = SlotPool(shared.pool, slot, batcher)
+    costs = shared.costs.for_batch(batch_size)
+    return Runtime(models, costs, shared.drafters.with_models(models, costs))
 
 
 class Slots:
     """The pool's first n sequences as slots, and their batcher. `batch_size` is what a slot plans for: the
     requests in flight (`in_flight`, set by the server to its worker's count), at most n."""
 
-    def __init__(self, pool: Runtime, n: int):
+    def __init__(self, shared: Runtime, n: int):
         self.batcher = Batcher()
         self.in_flight: Callable[[], int] = lambda: 1
-        self.runtimes = [SlotRuntime(pool, i, self.batcher, self.batch_size) for i in range(min(n, pool.parallel))]
+        self.runtimes = [slot_runtime(shared, i, self.batcher, self.batch_size)
+                         for i in range(min(n, shared.pool.parallel))]
         self._route_lock = threading.Lock()
 
     def batch_size(self) -> int:
@@ -131,13 +133,13 @@ class LockedRouter:
         return getattr(self._router, name)
 
 
-def parallel_for(pool: Runtime, requested: Optional[int]) -> int:
+def parallel_for(shared: Runtime, requested: Optional[int]) -> int:
     """--parallel as given, else what the calibrated parent curve says pays (the prior shape when this machine
     has no calibration for the family), at most the sequences the pool's contexts hold."""
     if requested is not None:
         return requested
     from specquant_cli.decoding.gamma import verify_shape
 
-    c = pool.calibration(measure=False)
+    c = shared.calibration(measure=False)
     curve = c.call_s if c is not None else verify_shape
-    return min(pool.parallel, best_parallel(curve))
+    return min(shared.pool.parallel, best_parallel(curve))

@@ -11,14 +11,12 @@ The result is cached per build and CPU (`$XDG_CACHE_HOME/specquant/selftest.json
 `ensure()` runs it before the first model of a process is loaded, so on a new machine/build pair the
 self-test meets a faulting kernel before the user's answer does.
 
-Child usage: python -m specquant_cli.system.selftest DIR TYPE [TYPE ...]   (prints `ok TYPE` per type; DIR is
-a work folder the parent owns and removes, so a killed child leaves nothing behind)"""
+The child is backend.selftest_child (python -m specquant_cli.backend.selftest_child DIR TYPE [TYPE ...])."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import signal
 import subprocess
@@ -34,7 +32,7 @@ from specquant_cli.errors import LlamaError
 from specquant_cli.settings import env
 
 TYPES = ("f16", "bf16", "q4_0", "q4_k", "q8_0")  # every weight type the families' roles use
-_FTYPES = {"f16": "LLAMA_FTYPE_MOSTLY_F16", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+FTYPES = {"f16": "LLAMA_FTYPE_MOSTLY_F16", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
            "q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
 SCHEMA = 1
 TIMEOUT_S = 180.0
@@ -45,7 +43,7 @@ REBUILD_HINT = ("rebuild llama-cpp-python for this CPU: ./scripts/test.sh does (
                 "CXXFLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' pip install --force-reinstall --no-cache-dir "
                 "--no-binary llama-cpp-python llama-cpp-python==0.3.36")
 
-_in_child = False
+_in_child = False  # set by backend.selftest_child in its process
 _verified: Optional[str] = None  # the key this process has seen pass
 
 
@@ -169,7 +167,7 @@ def _run_child(types: list[str], deadline: float) -> tuple[list[str], Optional[i
         return [], 1, f"cannot create a work folder ({e.strerror})"
     try:
         with work_dir as work:
-            cmd = [sys.executable, "-m", "specquant_cli.system.selftest", work, *types]
+            cmd = [sys.executable, "-m", "specquant_cli.backend.selftest_child", work, *types]
             p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                                env={**os.environ, CHILD_ENV: "1"}, timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired as e:
@@ -239,67 +237,3 @@ def ensure(status: Optional[Callable[[str], None]] = None) -> None:
     if not r.ok and status:  # the test itself could not run (no temp space, out of time): say so, go on
         status(f"warning: {r.error}; going on without it")
     _verified = k
-
-
-# -- the child -------------------------------------------------------------------------------------------------
-def _check_type(t: str, base: Path, work: Path) -> Optional[str]:
-    """Quantize the tiny model to t and decode a 16-token batch then 4 single steps. None when sound."""
-    import llama_cpp
-    import numpy as np
-
-    from specquant_cli.backend.llama import Context, Model
-
-    path = work / f"{t}.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, _FTYPES[t])
-    params.nthread = 1
-    if llama_cpp.llama_model_quantize(os.fsencode(base), os.fsencode(path), params) != 0:
-        return f"could not quantize to {t}"
-    fault = env(FAULT_ENV)
-    if fault.partition(":")[0] == t:
-        os.kill(os.getpid(), getattr(signal, fault.partition(":")[2] or "SIGILL"))
-    with Model(path) as m:
-        ctx = Context(m, n_ctx=128, n_batch=32, n_threads=min(4, os.cpu_count() or 1))
-        ctx.decode(list(range(1, 17)), logits="all")
-        rows = [ctx.logits(i).copy() for i in range(16)]  # views are valid only until the next decode
-        for _ in range(4):
-            ctx.decode([int(np.argmax(rows[-1]))], logits="last")
-            rows.append(ctx.logits(-1).copy())
-        ctx.close()
-    worst = max(float(np.abs(r).max()) if np.isfinite(r).all() else math.inf for r in rows)
-    if not math.isfinite(worst) or worst > 1e4:  # random weights at 0.05 give logits of a few units
-        return f"bad logits (max |logit| {worst:.3g})"
-    if min(float(np.ptp(r)) for r in rows) <= 0:
-        return "bad logits (constant)"
-    return None
-
-
-def _child(argv: list[str]) -> int:
-    global _in_child
-    _in_child = True
-    from specquant_cli.backend.llama import llama_log_to
-    from specquant_cli.family.tiny import write_tiny_llama
-
-    if len(argv) < 2 or not Path(argv[0]).is_dir():
-        print("usage: python -m specquant_cli.system.selftest DIR TYPE [TYPE ...]", file=sys.stderr)
-        return 2
-    work, types = Path(argv[0]), argv[1:]
-    unknown = [t for t in types if t not in _FTYPES]
-    if unknown:
-        print(f"unknown type {unknown[0]} (expected one of {', '.join(TYPES)})", file=sys.stderr)
-        return 2
-    with llama_log_to(None):
-        base = write_tiny_llama(work / "base-f16.gguf", dim=256, ff=512, vocab=512, scale=0.05, merges=("<t1> <t2>",))
-        for t in types:
-            why = _check_type(t, base, work)
-            if why:
-                print(why, file=sys.stderr)
-                return 1
-            print(f"ok {t}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":  # run through the imported module, whose _in_child the backend's ensure() reads
-    from specquant_cli.system import selftest as _module
-
-    sys.exit(_module._child(sys.argv[1:]))

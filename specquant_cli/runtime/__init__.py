@@ -1,0 +1,110 @@
+"""A session's runtime: three parts and what joins them.
+
+- `pool` (runtime.pool.ModelPool): the models, loaded per family role after the placement check, released
+  on request;
+- `costs` (runtime.costs.CostModel): this machine's measured costs, the verify cost and the draft-length
+  policy a plan names;
+- `drafters` (runtime.drafters.DrafterCache): drafters built from the registry, persistent ones kept per
+  policy;
+
+and the session's planners (one per policy and batch size: they learn from every answer) and the engine a
+plan asks for. A serving slot is a Runtime over a view of a shared pool (serving.slots)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from specquant_cli.backend.llama import Model
+from specquant_cli.decoding.engine import DEFAULT_GAMMA, Engine
+from specquant_cli.decoding.gamma import FixedGamma
+from specquant_cli.decoding.registry import register_family_drafters
+from specquant_cli.decoding.sampling import SamplingParams
+from specquant_cli.family.manifest import Family
+from specquant_cli.reporting import SILENT, Reporter
+from specquant_cli.routing.plan import Plan, Planner
+from specquant_cli.routing.policies import policy_spec
+from specquant_cli.runtime.costs import ADAPTIVE_GAMMA_MAX, CostModel
+from specquant_cli.runtime.drafters import DrafterCache
+from specquant_cli.runtime.pool import ModelPool, Models, plannable_roles
+
+__all__ = ["ADAPTIVE_GAMMA_MAX", "Runtime"]
+
+
+class Runtime:
+    def __init__(self, pool: Models, costs: CostModel, drafters: DrafterCache):
+        self.pool = pool
+        self.costs = costs
+        self.drafters = drafters
+        self._planners: dict[tuple[str, int], Optional[Planner]] = {}
+
+    @classmethod
+    def open(cls, family: Family, n_ctx: int = 4096, gamma: int = DEFAULT_GAMMA, threads: Optional[int] = None,
+             p_min: Optional[float] = None, facts=None, kv_import: bool = True, rpc: Optional[list[str]] = None,
+             parallel: int = 1, report: Reporter = SILENT) -> Runtime:
+        """The runtime of `family`: registers its role drafters (a custom graded role drafts too; the one call
+        that does), nothing loaded yet. `parallel`: sequences every context holds (runtime.pool.ModelPool);
+        `report`: where calibration's progress and warnings go."""
+        pool = ModelPool(family, register_family_drafters(family.roles()), n_ctx, threads, facts, rpc, parallel)
+        costs = CostModel(pool, gamma, report)
+        return cls(pool, costs, DrafterCache(pool, costs, p_min, kv_import))
+
+    @property
+    def family(self) -> Family:
+        return self.pool.family
+
+    def tokenizer(self) -> Model:
+        return self.pool.tokenizer()
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer().tokenize(text, add_bos=False, special=False))
+
+    def calibration(self, measure: bool = True, force: bool = False, require_save: bool = False):
+        """This machine's measured costs (runtime.costs.CostModel.calibration)."""
+        return self.costs.calibration(measure, force, require_save)
+
+    def planner(self, policy: str) -> Optional[Planner]:
+        """The session's planner for `policy` (built on first use and kept: it learns from every answer of the
+        session, across requests), one per batch size the costs are for (a speedup measured alone is not the
+        one a plan gets among 8 sequences); None for a policy whose table row is its plan."""
+        key = (policy, self.costs.batch)
+        if key not in self._planners:
+            factory = policy_spec(policy).planner
+            self._planners[key] = factory() if factory is not None else None
+        return self._planners[key]
+
+    def plannable_roles(self) -> tuple[str, ...]:
+        """The family's roles a planner may pick now (runtime.pool.plannable_roles)."""
+        return plannable_roles(self.pool)
+
+    def load_planner_drafts(self) -> list[str]:
+        """Load every calibrated draft a planner may pick (those that fit), so that none loads mid-answer;
+        returns the ones loaded now."""
+        c = self.calibration(measure=False)
+        loaded = self.pool.loaded()
+        new = [r for r in self.pool.draft_roles if c and r in c.draft_step_s and r not in loaded]
+        done = []
+        for r in new:
+            if r in self.plannable_roles():
+                self.pool.ensure([r])
+                done.append(r)
+        return done
+
+    def engine(self, plan: Plan, sp: SamplingParams) -> Engine:
+        """An engine for `plan`: loads the plan's roles (placement-checked), builds its drafter (scoped to the
+        plan's policy) and γ policy.
+
+        Args:
+            plan: from `routing.policies.plan_for` (or a policy's own planner).
+            sp: sampling parameters; greedy when temperature is 0."""
+        self.pool.ensure(plan.roles)
+        drafter = self.drafters.drafter(plan.drafter, plan.target, plan.policy) if plan.drafter else None
+        gamma = self.costs.gamma_policy(plan) if drafter else FixedGamma(0)
+        return Engine(self.pool.context(plan.target), drafter, gamma, sp)
+
+    def reset_caches(self) -> None:
+        """Empty every KV cache (the bench's fresh-request state). Persistent drafters keep their memory."""
+        self.pool.reset_caches()
+
+    def close(self) -> None:
+        self.pool.close()
+        self.drafters.clear()

@@ -1,0 +1,163 @@
+"""The model pool: a session's models, loaded lazily per family role, checked against the placement plan
+first, kept loaded until released; one llama.cpp context per loaded role."""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+from specquant_cli.backend.llama import Context, Model, check_same_vocab
+from specquant_cli.decoding.protocols import TokenContext
+from specquant_cli.errors import ResourceError
+from specquant_cli.family.manifest import Family
+from specquant_cli.family.roles import PARENT_ROLE
+
+
+class Models(Protocol):
+    """What the cost model, the drafter cache and the runtime ask of a pool (ModelPool, or a serving slot's
+    view of one: serving.slots.SlotPool)."""
+
+    family: Family
+    n_ctx: int  # positions of one sequence
+    threads: Optional[int]
+    rpc: list[str]  # the parent's RPC workers, if any
+    draft_roles: list[str]  # the family's roles that draft as models
+
+    def loaded(self) -> list[str]: ...
+    def tokenizer(self) -> Model: ...
+    def ensure(self, roles: list[str]) -> None: ...
+    def context(self, role: str) -> TokenContext: ...
+    def fits(self, roles: list[str]) -> bool: ...
+    def release(self, roles: list[str]) -> None: ...
+    def reset_caches(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class ModelPool:
+    """`parallel`: sequences every context holds (serving.slots gives each concurrent request one), each with
+    `n_ctx` positions of its own. `draft_roles`: the family's roles that draft as models
+    (decoding.registry.register_family_drafters, called once when the family is opened)."""
+
+    def __init__(self, family: Family, draft_roles: list[str], n_ctx: int = 4096, threads: Optional[int] = None,
+                 facts=None, rpc: Optional[list[str]] = None, parallel: int = 1):
+        from specquant_cli.system import rpc as rpc_mod
+
+        self.family = family
+        self.draft_roles = list(draft_roles)
+        self.rpc = list(rpc) if rpc is not None else rpc_mod.configured()
+        self.n_ctx = n_ctx
+        self.parallel = max(1, parallel)
+        self.threads = threads
+        self._facts = facts
+        self._ctx: dict[str, Context] = {}
+        self._vocab: Optional[Model] = None
+        self._workers = None  # the RPC workers as last probed
+
+    @property
+    def facts(self):
+        if self._facts is None:
+            from specquant_cli.system.hardware import detect
+
+            self._facts = detect()
+        return self._facts
+
+    def loaded(self) -> list[str]:
+        return list(self._ctx)
+
+    def contexts(self) -> dict[str, Context]:
+        """The loaded roles' contexts (a slot's view wraps each)."""
+        return dict(self._ctx)
+
+    def tokenizer(self) -> Model:
+        """The parent's vocabulary (no weights unless the parent is already loaded)."""
+        if PARENT_ROLE in self._ctx:
+            return self._ctx[PARENT_ROLE].model
+        if self._vocab is None:
+            self._vocab = Model(self.family.path(PARENT_ROLE), vocab_only=True)
+        return self._vocab
+
+    def ensure(self, roles: list[str]) -> None:
+        """Load what `roles` need, refusing first (with numbers) a set that does not fit."""
+        missing = [r for r in roles if r not in self._ctx]
+        if not missing:
+            return
+        placement = self._require_fit(self.loaded() + missing)
+        for role in missing:
+            if self.rpc and role == PARENT_ROLE:
+                model = self._remote_parent()
+            else:
+                model = Model(self.family.path(role), n_gpu_layers=placement.gpu_layers.get(role, 0))
+            if self._ctx:  # every model of a session must speak the same vocabulary
+                check_same_vocab(next(iter(self._ctx.values())).model, model)
+            # One KV cache for all sequences (unified): with a cache per sequence llama.cpp splits a batch whose
+            # sequence ids are out of order or have gaps into one pass each (decoding.batch._chunks).
+            self._ctx[role] = Context(model, self.n_ctx * self.parallel, n_threads=self.threads,
+                                      n_seq_max=self.parallel, kv_unified=self.parallel > 1)
+            if self.rpc and role == PARENT_ROLE:
+                from specquant_cli.system import rpc
+
+                rpc.arm_sockets(self.rpc)  # ggml's sockets to the workers get deadlines
+
+    def context(self, role: str) -> Context:
+        self.ensure([role])
+        return self._ctx[role]
+
+    def fits(self, roles: list[str]) -> bool:
+        """Whether `roles` (the parent first) fit where they would run (system.placement)."""
+        try:
+            self._require_fit(roles)
+            return True
+        except ResourceError:
+            return False
+
+    def _require_fit(self, roles: list[str]):
+        """The placement check; with RPC workers the parent is checked against their free memory (probed now:
+        a worker that is down is one clear error here, never ggml's abort) and the rest against this machine."""
+        from specquant_cli.system.placement import Placement, need, require_fit
+
+        if self.rpc and PARENT_ROLE in roles:
+            from specquant_cli.system import rpc
+
+            if PARENT_ROLE not in self._ctx:
+                self._workers = rpc.probe_all(self.rpc)
+                rpc.require_remote_fit(self._workers, need(self.family, PARENT_ROLE, self.n_ctx * self.parallel).total,
+                                       f"the parent ({PARENT_ROLE})")
+            roles = [r for r in roles if r != PARENT_ROLE]
+            if not roles:
+                return Placement("rpc")
+        return require_fit(self.facts, self.family, roles, self.n_ctx * self.parallel)
+
+    def _remote_parent(self) -> Model:
+        """The parent with every layer on the RPC workers, split by their free memory (probed by _require_fit)."""
+        from specquant_cli.system import rpc
+
+        rpc.install_abort_guard(self.rpc)
+        workers = self._workers or rpc.probe_all(self.rpc)
+        return Model(self.family.path(PARENT_ROLE), n_gpu_layers=-1, devices=rpc.devices(self.rpc),
+                     tensor_split=rpc.split_for(workers))
+
+    def release(self, roles: list[str]) -> None:
+        """Unload `roles` (their models and contexts); a later plan that needs one loads it again."""
+        for r in roles:
+            ctx = self._ctx.pop(r, None)
+            if ctx is not None:
+                ctx.model.close()
+
+    def reset_caches(self) -> None:
+        """Empty every KV cache (the bench's fresh-request state)."""
+        for c in self._ctx.values():
+            c.reset()
+
+    def close(self) -> None:
+        for c in self._ctx.values():
+            c.model.close()  # frees its context first
+        self._ctx.clear()
+        if self._vocab is not None:
+            self._vocab.close()
+            self._vocab = None
+
+
+def plannable_roles(pool: Models) -> tuple[str, ...]:
+    """The family's roles a planner may pick now: loaded, or a draft that fits beside what is loaded."""
+    loaded = pool.loaded()
+    base = [PARENT_ROLE, *(r for r in loaded if r != PARENT_ROLE)]
+    return tuple(r for r in pool.family.roles() if r in base or pool.fits([*base, r]))
