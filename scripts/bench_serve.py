@@ -5,10 +5,10 @@ For each --parallel value a server is started (a subprocess on a free port, --po
 up, then for each policy and client count C, C clients (official `openai` client, streamed, greedy) each send
 one Spec-Bench question at once. Per run: aggregate tokens/s (all completion tokens over wall time),
 per-request tokens/s (tokens over that request's own latency, median), TTFT p50/p95 (from sending to the
-first content chunk: queueing and prefill included). After the servers, the parent alone (in this process,
-one token per call) answers every question; each served answer is `identical` to it, a `near-tie` (where
-it leaves the parent's answer the parent's top two logits are closer than the measured batch-vs-single noise
-and the answer takes the other of the two) or `unexplained`.
+first content chunk: queueing and prefill included), and the plan each answer ran (in the JSON). After the
+servers, the parent alone (in this process, one token per call) answers every question; each served answer
+is `identical` to it, a `near-tie` (where it leaves the parent's answer the parent's top two logits are
+closer than the measured batch-vs-single noise and the answer takes the other of the two) or `unexplained`.
 
     python scripts/bench_serve.py --family models/qwen2.5-coder-1.5b --parallel 1,8 --policies parent,auto \\
         --clients 1,2,4,8 --max-tokens 128 --json-file docs/bench/serve-qwen.json \\
@@ -64,10 +64,10 @@ def start_server(args, parallel: int) -> tuple[subprocess.Popen, str]:
 
 
 def one(url: str, question: str, policy: str, max_tokens: int) -> dict:
-    """One streamed greedy request: its TTFT, latency, completion tokens and text."""
+    """One streamed greedy request: its TTFT, latency, completion tokens, text and the plan it ran."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
     t0 = time.perf_counter()
-    ttft, tokens, parts = None, 0, []
+    ttft, tokens, parts, plan = None, 0, [], None
     for chunk in client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0,
             stream=True, stream_options={"include_usage": True}, extra_body={"specquant_policy": policy}):
@@ -76,8 +76,9 @@ def one(url: str, question: str, policy: str, max_tokens: int) -> dict:
             parts.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
+        plan = (chunk.model_extra or {}).get("specquant", {}).get("plan", plan)
     return {"ttft_s": ttft if ttft is not None else float("nan"), "latency_s": time.perf_counter() - t0,
-            "tokens": tokens, "text": "".join(parts)}
+            "tokens": tokens, "text": "".join(parts), "plan": plan}
 
 
 def run(url: str, questions: list[str], policy: str, clients: int, max_tokens: int) -> dict:
