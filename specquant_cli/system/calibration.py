@@ -127,7 +127,7 @@ class Calibration:
         rarely line up — each has its own draft length, accepts and misses — so a round holds one request's
         draft call beside another's parent call and every member waits for both. (Priced as shared, like the
         parent's, suffix+q4 drafts were predicted 1.2-1.8x the parent at 2 requests on the Intel Xeon, and
-        ran 0.77x.) b = 1: self."""
+        ran 0.80x.) b = 1: self."""
         if b <= 1:
             return self
         view = replace(self, parent_call_s={n: self.call_s(b * n) / b for n in self.parent_call_s})
