@@ -15,7 +15,7 @@ from specquant_cli.family.manifest import Family
 from specquant_cli.reporting import SILENT, Reporter
 from specquant_cli.routing.plan import Plan, PlanContext
 from specquant_cli.routing.policies import DEFAULT_POLICY, check_policy, plan_for
-from specquant_cli.routing.router import Route, Router
+from specquant_cli.routing.router import Route, Router, load_config
 from specquant_cli.runtime import Runtime
 from specquant_cli.settings import DEFAULT_FAMILY_DIR, SessionSettings, env
 
@@ -78,8 +78,6 @@ def open_session(settings: SessionSettings, family=None, report: Reporter = SILE
     The router refuses a prompt longer than the context (settings.n_ctx), for every front end. The policy
     is checked against the family's roles here, before any model loads. The caller closes
     `session.runtime`."""
-    from specquant_cli.routing.router import Router, load_config
-
     router_config = load_config(settings.router_config)
     fam = family if family is not None else load_family(settings.family, report.warn)
     policy = check_policy(settings.policy or DEFAULT_POLICY, fam.roles())

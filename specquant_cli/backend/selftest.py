@@ -43,7 +43,6 @@ REBUILD_HINT = ("rebuild llama-cpp-python for this CPU: ./scripts/test.sh does (
                 "CXXFLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' pip install --force-reinstall --no-cache-dir "
                 "--no-binary llama-cpp-python llama-cpp-python==0.3.36")
 
-_in_child = False  # set by backend.selftest_child in its process
 _verified: Optional[str] = None  # the key this process has seen pass
 
 
@@ -222,7 +221,7 @@ def ensure(status: Optional[Callable[[str], None]] = None) -> None:
     """Before the first model of a process: the cached result for this build and CPU, else the test now.
     Raises LlamaError (one line) when the build cannot run here."""
     global _verified
-    if _in_child or env(CHILD_ENV) == "1":
+    if env(CHILD_ENV) == "1":
         return
     k = key()
     if _verified == k:

@@ -51,7 +51,7 @@ def _check_type(t: str, base: Path, work: Path) -> Optional[str]:
 
 
 def main(argv: list[str]) -> int:
-    selftest._in_child = True  # a model loaded here never starts a self-test of its own
+    os.environ[selftest.CHILD_ENV] = "1"  # a model loaded here never starts a self-test of its own (even run by hand)
     if len(argv) < 2 or not Path(argv[0]).is_dir():
         print("usage: python -m specquant_cli.backend.selftest_child DIR TYPE [TYPE ...]", file=sys.stderr)
         return 2

@@ -11,12 +11,11 @@ import hmac
 import json
 import math
 import re
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from itertools import accumulate
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,10 +34,8 @@ from specquant_cli.serving.schemas import (
     new_id,
     now,
 )
+from specquant_cli.serving.service import Service, stderr_line
 from specquant_cli.serving.worker import Job, disconnected
-
-if TYPE_CHECKING:
-    from specquant_cli.serving.service import Service
 
 POLICY_HEADER = "x-specquant-policy"
 DRAIN_BYTES = 32 << 20  # an oversized body is read (and dropped) this far past the cap, so the client reads the 413
@@ -332,7 +329,7 @@ class Guard:
                  public: Collection[str] = ()):
         self.app = app
         self._key = api_key.encode() if api_key else None
-        self._log = log or _stderr
+        self._log = log or stderr_line
         self._public = frozenset(public)  # paths a GET or HEAD reaches without the key
 
     async def __call__(self, scope, receive, send) -> None:
@@ -406,11 +403,6 @@ def _log_line(scope, state: dict, notes: dict, seconds: float) -> str:
     if notes.get("error"):
         parts.append(f"({notes['error']})")
     return " ".join(parts)
-
-
-def _stderr(line: str) -> None:
-    sys.stderr.write(" ".join(line.split("\n")) + "\n")
-    sys.stderr.flush()
 
 
 def _debug() -> bool:

@@ -129,5 +129,6 @@ def parent_rate(runtime) -> Optional[float]:
 
 
 def stderr_line(line: str) -> None:
-    sys.stderr.write(line + "\n")
+    """One line on stderr (a newline inside `line` becomes a space): the server's log and notices."""
+    sys.stderr.write(" ".join(line.split("\n")) + "\n")
     sys.stderr.flush()
