@@ -51,13 +51,22 @@ cpu_id() {
     uname -m; } 2>/dev/null
 }
 
+# specquant's user cache folder: $XDG_CACHE_HOME/specquant, or ~/.cache/specquant when it is unset or relative (the
+# XDG spec: a relative path is invalid and ignored) — the rule of settings.cache_home.
+cache_home() {
+  case "${XDG_CACHE_HOME:-}" in
+    /*) echo "$XDG_CACHE_HOME/specquant" ;;
+    *) echo "$HOME/.cache/specquant" ;;
+  esac
+}
+
 # install_llama MODE: build (or reuse this CPU's cached wheel) and install llama-cpp-python.
 install_llama() {
   local cfg cmake cflags key dir
   cfg="$(build_config "$1")"; cmake="${cfg%%|*}"; cflags="${cfg#*|}"
   key="$( { cpu_id; echo "$LLAMA_PIN|$cfg|$($PYTHON -c 'import sys; print(sys.version_info[:2])')"; } \
          | sha256sum | cut -c1-16)"
-  dir="${XDG_CACHE_HOME:-$HOME/.cache}/specquant/wheels/$key"
+  dir="$(cache_home)/wheels/$key"
   if ! ls "$dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     echo "setup: building $LLAMA_PIN for this CPU ($1: CMAKE_ARGS='$cmake' CFLAGS='$cflags'; ~5 min on 2 cores)" >&2
     mkdir -p "$dir.tmp"

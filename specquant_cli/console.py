@@ -14,8 +14,11 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 
 def _width():
     """Terminal width on a terminal; wide enough for the report tables when stderr goes to a file or pipe."""
-    if os.environ.get("COLUMNS", "").isdigit():
-        return int(os.environ["COLUMNS"])
+    from specquant_cli.settings import columns
+
+    fixed = columns()
+    if fixed is not None:
+        return fixed
     return None if sys.stderr.isatty() else 160
 
 

@@ -17,7 +17,7 @@ from specquant_cli.routing.plan import Plan, PlanContext
 from specquant_cli.routing.policies import DEFAULT_POLICY, check_policy, plan_for
 from specquant_cli.routing.router import Route, Router, load_config
 from specquant_cli.runtime import Runtime
-from specquant_cli.settings import DEFAULT_FAMILY_DIR, SessionSettings, env
+from specquant_cli.settings import DEFAULT_FAMILY_DIR, SessionSettings
 
 
 @dataclass
@@ -41,14 +41,13 @@ class Answer:
 
 
 def load_family(path: Optional[Path], warn=None):
-    """The family at `path`, else at $SPECQUANT_FAMILY, else the demo family's folder. `warn`: where the
-    warning of an interrupted update finished on the way goes (family.manifest.recover; none by default)."""
-    named = env("SPECQUANT_FAMILY")
-    root = path or (Path(named) if named else DEFAULT_FAMILY_DIR)
+    """The family at `path` (the runtime.family setting, resolved), else the demo family's folder. `warn`: where
+    the warning of an interrupted update finished on the way goes (family.manifest.recover; none by default)."""
+    root = path or DEFAULT_FAMILY_DIR
     try:
         return Family.load(root, warn)
     except FamilyError:
-        if path is None and not named:
+        if path is None:
             raise FamilyError(f"no model family at {root}; fetch the demo family with: specquant pull smollm2-135m") \
                 from None
         raise
@@ -84,9 +83,9 @@ def open_session(settings: SessionSettings, family=None, report: Reporter = SILE
     warning = ctx_warning(fam, settings.n_ctx)
     if warn_ctx and warning:
         report.say(warning)
-    runtime = Runtime.open(fam, n_ctx=settings.n_ctx, threads=settings.threads, facts=settings.facts,
-                           rpc=settings.rpc, parallel=settings.parallel, report=report,
-                           **({"gamma": settings.gamma} if settings.gamma is not None else {}))
+    runtime = Runtime.open(fam, n_ctx=settings.n_ctx, gamma=settings.gamma, threads=settings.threads,
+                           facts=settings.facts, rpc=settings.rpc, parallel=settings.parallel, report=report,
+                           mmap=settings.mmap, rpc_timeout=settings.rpc_timeout)
     router = Router(router_config, runtime.count_tokens, max_tokens=settings.n_ctx)
     return ChatSession(runtime, router, policy, settings.sampling or SamplingParams(), settings.max_tokens,
                        settings.system, settings.stop)

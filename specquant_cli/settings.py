@@ -1,65 +1,476 @@
-"""Settings, in one place: what a session is opened with (`SessionSettings`) and every `SPECQUANT_*` environment
-variable (`ENV`, read only through `env`). Commands and the server turn their options into a
-`SessionSettings` and call `session.open_session`; core code receives settings and never reads `os.environ`.
-Who reads each variable: `session.load_family` (FAMILY), backend.llama (THREADS, MMAP, LLAMA_LOG), system.rpc
-(RPC_TIMEOUT), the `--rpc` and `--api-key` options (RPC, API_KEY: typer's envvar), cli and serving.app
-(DEBUG), backend.selftest (SELFTEST_*) — each through `env`."""
+"""Every setting, declared once: its branch, type, bounds, default and help (`SETTINGS`). From each declaration
+come the command-line option (commands.options.with_settings), the `SPECQUANT_<NAME>` environment variable and
+the `[branch] name` key of `specquant.toml`. A command resolves the settings it takes once, at the edge and
+before any model loads (`resolve`: default < specquant.toml < environment < flag), what the machine decides
+included (threads from its cores; serve's parallel sequences from its calibration), and passes the resolved
+`Settings` down; below the edge nothing reads the environment or changes a setting in place.
+
+This module is also the only reader of the environment: the settings' variables, `XDG_CACHE_HOME`
+(`cache_home`), `COLUMNS` (`columns`) and the self-test's internal variables (`INTERNAL_ENV`, through `env`).
+It imports nothing of the package at load."""
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-if TYPE_CHECKING:  # this module imports nothing of the package at load: the backend reads its variables too
+if TYPE_CHECKING:
     from specquant_cli.decoding.sampling import SamplingParams
 
-ENV = {
-    "SPECQUANT_FAMILY": "the family folder when --family is not given",
-    "SPECQUANT_THREADS": "llama.cpp threads when a command gives none",
-    "SPECQUANT_RPC": "the parent's RPC workers (--rpc)",
-    "SPECQUANT_RPC_TIMEOUT": "seconds one RPC reply may take",
-    "SPECQUANT_API_KEY": "serve's API key (--api-key)",
-    "SPECQUANT_MMAP": "1: map model files instead of reading them",
-    "SPECQUANT_LLAMA_LOG": "a file for llama.cpp's own log",
-    "SPECQUANT_DEBUG": "re-raise errors with their traceback",
+CONFIG_NAME = "specquant.toml"
+DEFAULT_FAMILY_DIR = Path("models") / "smollm2-135m"  # where session.load_family looks when nothing names a family
+DEFAULT_CTX = 4096
+MAX_CTX = 1 << 20
+DEFAULT_GAMMA = 4  # the draft length γ when nothing sets one
+MAX_GAMMA_SETTING = 16  # the largest --gamma accepted
+MAX_PARALLEL = 8  # the most sequences serve decodes together
+DEFAULT_RPC_TIMEOUT_S = 300.0  # longest wait for one RPC reply (a long prefill on a slow worker stays under it)
+MAX_RPC_TIMEOUT_S = 86400.0
+SOURCES = ("default", "toml", "env", "flag", "machine")
+
+INTERNAL_ENV = {  # variables the package sets for its own child processes; no user setting
     "SPECQUANT_SELFTEST_CHILD": "set in the build self-test's child processes",
     "SPECQUANT_SELFTEST_FAULT": "a fault the self-test's tests inject",
 }
-DEFAULT_FAMILY_DIR = Path("models") / "smollm2-135m"  # where session.load_family looks when nothing names a family
-DEFAULT_CTX = 4096
 
 
+class SettingError(ValueError):
+    """A value that is no value of its setting; the message says why, without naming where it came from."""
+
+
+# -- checks: a converted value in, the value to use out (or SettingError) -------------------------------------------
+def check_threads(n: int) -> int:
+    """0 (every core) or 1 .. 4 x logical cores: more threads only wait on each other (100000 crashes llama.cpp)."""
+    cores = max(1, os.cpu_count() or 1)
+    if n < 0:
+        raise SettingError("expected 0 (every core) or a positive integer")
+    if n > THREADS_PER_CORE * cores:
+        raise SettingError(f"at most {THREADS_PER_CORE * cores} threads on this machine "
+                           f"({THREADS_PER_CORE} × {cores} logical cores)")
+    return n
+
+
+THREADS_PER_CORE = 4
+
+
+def check_rpc(value: Any) -> list[str]:
+    """'HOST:PORT[,HOST:PORT…]' (or a TOML list) -> distinct endpoints; '' (given but empty) is refused: it would
+    run the parent here without a word."""
+    items = value if isinstance(value, list) else str(value).split(",")
+    if not any(str(x).strip() for x in items):
+        raise SettingError("no worker given (expected HOST:PORT[,HOST:PORT…]; leave it unset to run the parent here)")
+    out = []
+    for item in (str(x).strip() for x in items):
+        host, sep, port = item.rpartition(":")
+        if not item or not sep or not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+            raise SettingError(f"{item!r}: expected HOST:PORT[,HOST:PORT…] (e.g. 127.0.0.1:50052)")
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def check_policy(name: str) -> str:
+    from specquant_cli.errors import InputError
+    from specquant_cli.routing.policies import check_policy as known
+
+    try:
+        return known(name)
+    except InputError as e:
+        raise SettingError(str(e)) from None
+
+
+def check_path(value: Any) -> Optional[Path]:
+    text = str(value)
+    if not text or "\0" in text:
+        raise SettingError("expected a path")
+    return Path(text)
+
+
+def check_text(value: Any) -> str:
+    text = str(value)
+    if "\0" in text:
+        raise SettingError("a NUL character is no text")
+    return text
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting. `flag`: its command-line option (None: environment and specquant.toml only); `lo`/`hi`:
+    inclusive bounds; `check`: turns a converted value into the one used (or raises SettingError); `shown`: the
+    help's default when `default` is decided later (None here); `secret`: masked wherever it is shown."""
+
+    branch: str
+    name: str
+    kind: type
+    default: Any
+    help: str
+    flag: Optional[str] = None
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    check: Optional[Callable[[Any], Any]] = None
+    shown: Optional[str] = None
+    secret: bool = False
+    optional: bool = False  # None is a value of it (not given: decided later, or absent)
+    usage: bool = True  # a flag value its check refuses is a usage error (exit 2); False: an error (exit 1)
+
+    @property
+    def key(self) -> str:
+        return f"{self.branch}.{self.name}"
+
+    @property
+    def env(self) -> str:
+        return "SPECQUANT_" + self.name.upper()
+
+    def where(self) -> str:
+        """Where else it can be set, for the option's help."""
+        return f"env {self.env}; {CONFIG_NAME}: {self.key}"
+
+    def convert(self, raw: Any) -> Any:
+        """A value from the environment (text) or specquant.toml (TOML's types) as this setting's type, bounded
+        and checked; SettingError says why not."""
+        value = _convert(self.kind, raw)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if self.lo is not None and value < self.lo:
+                raise SettingError(_below(self.kind, self.lo))
+            if self.hi is not None and value > self.hi:
+                raise SettingError(f"at most {_num(self.hi)}")
+        return self.check(value) if self.check is not None else value
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _below(kind: type, lo: float) -> str:
+    if kind is int and lo == 1:
+        return "expected a positive integer"
+    if kind is int and lo == 0:
+        return "expected 0 or a positive integer"
+    return f"expected at least {_num(lo)}"
+
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _convert(kind: type, raw: Any) -> Any:
+    if isinstance(raw, str):
+        text = raw.strip()
+        if kind is bool:
+            if text.lower() in TRUE:
+                return True
+            if text.lower() in FALSE:
+                return False
+            raise SettingError("expected 1/0, true/false, yes/no or on/off")
+        if kind is int:
+            digits = text[1:] if text[:1] in "+-" else text
+            if text != raw or not digits or not (digits.isascii() and digits.isdigit()):
+                raise SettingError("expected an integer")
+            return int(text) if len(digits) <= 18 else (1 if text[0] != "-" else -1) * 10**18  # no 4300-digit parse
+        if kind is float:
+            try:
+                value = float(text)
+            except ValueError:
+                raise SettingError("expected a number") from None
+            if not math.isfinite(value):
+                raise SettingError("expected a finite number")
+            return value
+        return raw
+    if kind is bool and isinstance(raw, bool):
+        return raw
+    if kind is int and isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if kind is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        if not math.isfinite(raw):
+            raise SettingError("expected a finite number")
+        return float(raw)
+    if kind in (str, Path) and isinstance(raw, list):
+        return raw  # a list setting (rpc, policies) written as a TOML array; its check reads it
+    raise SettingError(f"expected {kind.__name__}, not {type(raw).__name__}")
+
+
+def _positive_seconds(value: float) -> float:
+    if value <= 0:
+        raise SettingError("expected seconds above 0")
+    return value
+
+
+def _log_path(value: Any) -> Optional[Path]:
+    return check_path(value) if str(value) else None
+
+
+def _policies(value: Any) -> list[str]:
+    items = value if isinstance(value, list) else str(value).split(",")
+    names = list(dict.fromkeys(str(x).strip() for x in items if str(x).strip()))
+    if not names:
+        raise SettingError("no policy given")
+    return [check_policy(n) for n in names]
+
+
+def _declare() -> dict[str, Setting]:
+    from specquant_cli.routing.policies import DEFAULT_POLICY, policy_help
+
+    items = [
+        # decoding: what an answer is made with
+        Setting("decoding", "policy", str, DEFAULT_POLICY, policy_help(), "--policy", check=check_policy,
+                usage=False),
+        Setting("decoding", "gamma", int, DEFAULT_GAMMA, "Draft length γ (fixed, or where an adaptive one starts)",
+                "--gamma", lo=1, hi=MAX_GAMMA_SETTING),
+        Setting("decoding", "temperature", float, 0.0, "0 = greedy", "--temperature", lo=0.0),
+        Setting("decoding", "top_p", float, 1.0, "Nucleus sampling mass", "--top-p", lo=0.0, hi=1.0),
+        Setting("decoding", "top_k", int, 0, "0 = off", "--top-k", lo=0),
+        Setting("decoding", "seed", int, None, "Same seed, same sampled output", "--seed", lo=0, hi=2**64 - 1,
+                optional=True, shown="none"),
+        # runtime: what the models run with
+        Setting("runtime", "family", Path, None, "Family folder", "--family", check=check_path, optional=True,
+                shown=str(DEFAULT_FAMILY_DIR)),
+        Setting("runtime", "ctx", int, DEFAULT_CTX, "Context size (tokens) of each sequence", "--ctx", lo=256,
+                hi=MAX_CTX),
+        Setting("runtime", "threads", int, 0, "llama.cpp threads (0 = every core)", "--threads", lo=0,
+                check=check_threads),
+        Setting("runtime", "mmap", bool, False, "Map model files instead of reading them into memory (faster "
+                "start, shared pages; a file changed under a mapping can crash the process)", "--mmap"),
+        Setting("runtime", "rpc", str, None, "Run the parent's layers on llama.cpp RPC workers "
+                "HOST:PORT[,HOST:PORT…] (specquant worker); drafts stay here", "--rpc", check=check_rpc,
+                optional=True, shown="none"),
+        Setting("runtime", "rpc_timeout", float, DEFAULT_RPC_TIMEOUT_S, "Seconds one RPC reply may take",
+                "--rpc-timeout", lo=0.0, hi=MAX_RPC_TIMEOUT_S, check=_positive_seconds),
+        Setting("runtime", "parallel", int, None, f"Sequences decoded together (default: as many as this "
+                "machine's stored calibration says pay, else the prior cost curve's pick; at most "
+                f"{MAX_PARALLEL}). Each holds --ctx positions of its own", "--parallel", lo=1, hi=MAX_PARALLEL,
+                optional=True, shown="from the calibration"),
+        Setting("runtime", "llama_log", str, None, "A file for llama.cpp's own log", check=_log_path,
+                optional=True),
+        # serving: the HTTP front end
+        Setting("serving", "host", str, "127.0.0.1", "Address to bind (0.0.0.0: every interface)", "--host",
+                check=check_text),
+        Setting("serving", "port", int, 8080, "Port (0: any free port, printed at start)", "--port", lo=0,
+                hi=65535),
+        Setting("serving", "api_key", str, None, "Require Authorization: Bearer KEY on every /v1 request",
+                "--api-key", check=check_text, optional=True, secret=True, shown="none"),
+        Setting("serving", "queue", int, 32, "Requests that may wait behind the running ones", "--queue", lo=0),
+        Setting("serving", "max_body", int, 1 << 20, "Largest request body in bytes (413 above)", "--max-body",
+                lo=1024, hi=1 << 30),
+        Setting("serving", "max_tokens", int, 512, "New tokens for a request that sets no max_tokens",
+                "--max-tokens", lo=1),
+        Setting("serving", "policies", str, None, "Comma-separated policies a request may choose (default: all "
+                "the family can run); every model they can use is loaded at start-up", "--policies",
+                check=_policies, optional=True, shown="all", usage=False),
+        # general: every command
+        Setting("general", "debug", bool, False, "Re-raise errors with their traceback"),
+    ]
+    return {s.key: s for s in items}
+
+
+_settings: dict[str, Setting] = {}
+
+
+def settings_table() -> dict[str, Setting]:
+    """The declarations, by key (built on first use: the policy setting reads the policy table)."""
+    if not _settings:
+        _settings.update(_declare())
+    return _settings
+
+
+GLOBAL_KEYS = ("general.debug", "runtime.llama_log")  # resolved by every command
+
+
+# -- resolution --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Value:
+    value: Any
+    source: str  # one of SOURCES
+    origin: str = ""  # the variable, file or flag it came from ("" for a default)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved settings: `cfg.runtime.threads`, `cfg.get("runtime.threads")`, `cfg.source(...)`. Immutable: a
+    value the machine decides is set by `decided`, which returns a new object."""
+
+    values: Mapping[str, Value]
+    config: Optional[Path] = None  # the specquant.toml read (None: none)
+
+    def get(self, key: str) -> Any:
+        return self.values[key].value
+
+    def source(self, key: str) -> str:
+        return self.values[key].source
+
+    def __getattr__(self, branch: str) -> Branch:
+        if branch.startswith("_") or branch in ("values", "config"):
+            raise AttributeError(branch)
+        return Branch(self, branch)
+
+    def decided(self, key: str, value: Any, origin: str = "") -> Settings:
+        """These settings with `key` decided by the machine (a value given by the user stays theirs)."""
+        current = self.values[key]
+        if current.source != "default":
+            return self
+        return Settings({**self.values, key: Value(value, "machine", origin)}, self.config)
+
+    def to_dict(self) -> dict:
+        table = settings_table()
+        out: dict = {}
+        for key, v in sorted(self.values.items()):
+            shown = v.value
+            if table[key].secret and shown is not None:
+                shown = "***"
+            elif isinstance(shown, Path):
+                shown = str(shown)
+            out[key] = {"value": shown, "source": v.source, **({"from": v.origin} if v.origin else {})}
+        return out
+
+
+@dataclass(frozen=True)
+class Branch:
+    settings: Settings
+    name: str
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.settings.values[f"{self.name}.{name}"].value
+        except KeyError:
+            raise AttributeError(f"{self.name}.{name} was not resolved for this command") from None
+
+
+def read_toml(path: Optional[Path], cwd: Optional[Path] = None) -> tuple[dict, Optional[Path]]:
+    """The setting tables of `path`, else of ./specquant.toml when present: ({branch: {name: value}}, file).
+    Tables that are no settings branch (the router's) are left to their readers."""
+    import tomllib
+
+    from specquant_cli.errors import InputError
+    from specquant_cli.inputs import decode_input
+
+    if path is None:
+        candidate = (cwd or Path.cwd()) / CONFIG_NAME
+        if not candidate.is_file():
+            return {}, None
+        path = candidate
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such config file") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read config ({e.strerror})") from None
+    try:
+        data = tomllib.loads(decode_input(raw, f"config {path}"))
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"{path}: not valid TOML ({e})") from None
+    branches = {s.branch for s in settings_table().values()}
+    out = {}
+    for branch in branches & set(data):
+        table = data[branch]
+        if not isinstance(table, dict):
+            raise InputError(f"{path}: {branch} must be a table ([{branch}]), not {type(table).__name__}")
+        known = {s.name for s in settings_table().values() if s.branch == branch}
+        for name in table:
+            if name not in known:
+                raise InputError(f"{path}: unknown setting {branch}.{name} (known: {', '.join(sorted(known))})")
+        out[branch] = table
+    return out, Path(path)
+
+
+def _shown(raw: str) -> str:
+    text = raw if len(raw) <= 24 else raw[:24] + "…"
+    return text if text.isprintable() and text.strip() == text and text else repr(text)
+
+
+def resolve(keys: Iterable[str], flags: Optional[Mapping[str, Any]] = None, config: Optional[Path] = None,
+            environ: Optional[Mapping[str, str]] = None, cwd: Optional[Path] = None) -> Settings:
+    """The settings `keys` (and GLOBAL_KEYS), each from the last of: its default, specquant.toml (`config`, else
+    ./specquant.toml), its environment variable (an empty one is unset), `flags` (values given on the command
+    line, already checked by their options). Raises errors.InputError naming the variable or file of a bad value.
+    Threads 0 is decided here: every core."""
+    from specquant_cli.errors import InputError
+
+    table = settings_table()
+    flags = flags or {}
+    environ = os.environ if environ is None else environ
+    toml, toml_path = read_toml(config, cwd)
+    values: dict[str, Value] = {}
+    for key in dict.fromkeys([*keys, *GLOBAL_KEYS]):
+        s = table[key]
+        v = Value(s.default, "default")
+        if s.name in toml.get(s.branch, {}):
+            try:
+                v = Value(s.convert(toml[s.branch][s.name]), "toml", str(toml_path))
+            except SettingError as e:
+                raise InputError(f"{toml_path}: {s.key} = {toml[s.branch][s.name]!r}: {e}") from None
+        raw = environ.get(s.env, "")
+        if raw != "":
+            try:
+                v = Value(s.convert(raw), "env", s.env)
+            except SettingError as e:
+                raise InputError(f"{s.env}={_shown(raw)}: {e}") from None
+        if key in flags:
+            v = Value(flags[key], "flag", s.flag or "")
+        values[key] = v
+    cfg = Settings(values, toml_path)
+    if "runtime.threads" in values and not cfg.get("runtime.threads"):
+        cfg = Settings({**values, "runtime.threads": Value(max(1, os.cpu_count() or 1), "machine",
+                                                           "every core")}, toml_path)
+    return cfg
+
+
+def resolve_all(given: Settings) -> Settings:
+    """Every declared setting, resolved as for a command whose command line gave what `given` took from flags, with
+    `given`'s specquant.toml (doctor's view of the whole tree)."""
+    flags = {k: v.value for k, v in given.values.items() if v.source == "flag"}
+    return resolve(settings_table(), flags, given.config)
+
+
+# -- the rest of the environment ----------------------------------------------------------------------------------
 def env(name: str) -> str:
-    """The value of the `SPECQUANT_*` variable `name` ("" when unset), read now (tests and the self-test set
-    them per process); a name not in ENV is a programming error."""
-    if name not in ENV:
-        raise KeyError(f"{name} is not a specquant setting (settings.ENV)")
+    """An internal `SPECQUANT_*` variable (INTERNAL_ENV), read now ("" when unset); settings are resolved instead."""
+    if name not in INTERNAL_ENV:
+        raise KeyError(f"{name} is not an internal variable (settings.INTERNAL_ENV); settings are resolved")
     return os.environ.get(name, "")
 
 
 def debug() -> bool:
-    """SPECQUANT_DEBUG: errors are re-raised with their traceback."""
-    return env("SPECQUANT_DEBUG") not in ("", "0")
+    """SPECQUANT_DEBUG: errors are re-raised with their traceback (read where an error is translated, which may be
+    before any command resolved its settings; a value that is no boolean is false here, and refused by resolve)."""
+    raw = os.environ.get(settings_table()["general.debug"].env, "")
+    return raw.strip().lower() in TRUE
+
+
+def cache_home() -> Optional[Path]:
+    """specquant's user cache folder: $XDG_CACHE_HOME/specquant, or ~/.cache/specquant when it is unset or relative
+    (the XDG spec says a relative path is invalid and ignored); None when there is no home either."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        try:
+            base = str(Path.home() / ".cache")
+        except (RuntimeError, KeyError):
+            return None
+    return Path(base) / "specquant"
+
+
+def columns() -> Optional[int]:
+    """$COLUMNS when it is a number (the terminal width a user or a test fixed), else None."""
+    raw = os.environ.get("COLUMNS", "")
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) < 6 else None
 
 
 @dataclass
 class SessionSettings:
-    """What a session is opened with (session.open_session), whichever front end opens it.
+    """What a session is opened with (session.open_session), whichever front end opens it; built from resolved
+    `Settings` by `of`.
 
-    family: the family folder (None: $SPECQUANT_FAMILY, else models/smollm2-135m); n_ctx: the context size,
-    which is also the router's limit on a prompt (one rule for every front end); gamma: the draft length γ
-    (fixed, or the initial one of an adaptive policy; None: decoding.engine.DEFAULT_GAMMA); threads:
-    llama.cpp threads (None or 0: every core, or $SPECQUANT_THREADS); policy: the default policy (None: the
-    policy table's default); sampling (None: greedy), max_tokens, system, stop: the answers' defaults;
-    router_config: a TOML file with a [router] table (None: ./specquant.toml when present); rpc:
-    the parent's RPC workers (None: those `--rpc`/$SPECQUANT_RPC configured); facts: this machine's hardware
-    facts when already detected; parallel: sequences every context holds, each with n_ctx positions."""
+    family: the family folder (None: the default one); n_ctx: the context size of one sequence, also the router's
+    limit on a prompt; gamma: the draft length γ; threads: llama.cpp threads (resolved: never 0); policy: the
+    default policy; sampling (None: greedy), max_tokens, system, stop: the answers' defaults; router_config: a
+    TOML file with a [router] table (None: ./specquant.toml when present); rpc: the parent's RPC workers and
+    rpc_timeout their reply deadline; mmap: map model files; facts: this machine's hardware facts when already
+    detected; parallel: sequences every context holds, each with n_ctx positions."""
 
     family: Optional[Path] = None
     n_ctx: int = DEFAULT_CTX
-    gamma: Optional[int] = None
+    gamma: int = DEFAULT_GAMMA
     threads: Optional[int] = None
     policy: Optional[str] = None
     sampling: Optional[SamplingParams] = None
@@ -67,10 +478,21 @@ class SessionSettings:
     system: Optional[str] = None
     stop: tuple[str, ...] = ()
     router_config: Optional[Path] = None
-    rpc: Optional[list[str]] = None
+    rpc: list[str] = field(default_factory=list)
     facts: object = None
-    parallel: int = 1  # sequences every context holds (serve --parallel: one per concurrent request)
+    parallel: int = 1
+    mmap: bool = False
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S
 
     def __post_init__(self):
-        self.threads = self.threads or None  # 0 and None both mean "every core" (or $SPECQUANT_THREADS)
         self.stop = tuple(self.stop)
+        self.rpc = list(self.rpc or [])
+
+    @classmethod
+    def of(cls, cfg: Settings, **extra) -> SessionSettings:
+        """The session settings `cfg` resolved (the keys it has), plus `extra` fields."""
+        names = {"family": "runtime.family", "n_ctx": "runtime.ctx", "gamma": "decoding.gamma",
+                 "threads": "runtime.threads", "policy": "decoding.policy", "rpc": "runtime.rpc",
+                 "parallel": "runtime.parallel", "mmap": "runtime.mmap", "rpc_timeout": "runtime.rpc_timeout"}
+        kw = {f: cfg.get(k) for f, k in names.items() if k in cfg.values and cfg.get(k) is not None}
+        return cls(router_config=cfg.config, **kw, **extra)

@@ -39,8 +39,10 @@ def _isolate(monkeypatch, tmp_path_factory, selftest_cache):
     monkeypatch.setenv("COLUMNS", "120")
     monkeypatch.setenv("TERM", "dumb")
     monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
-    monkeypatch.delenv("SPECQUANT_DEBUG", raising=False)
-    monkeypatch.delenv("SPECQUANT_LLAMA_LOG", raising=False)
+    from specquant_cli.settings import settings_table
+
+    for s in settings_table().values():  # a developer's SPECQUANT_* settings do not reach the tests
+        monkeypatch.delenv(s.env, raising=False)
 
 
 @pytest.fixture(autouse=True)

@@ -21,11 +21,11 @@ from specquant_cli.bench.fidelity import (
     warning,
 )
 from specquant_cli.decoding.drafters import ModelDrafter
-from specquant_cli.decoding.engine import DEFAULT_GAMMA, Engine
-from specquant_cli.decoding.gamma import FixedGamma
+from specquant_cli.decoding.engine import Engine
+from specquant_cli.decoding.gamma import GAMMA_MAX, FixedGamma
 from specquant_cli.decoding.sampling import GREEDY, greedy_token
 from specquant_cli.decoding.verify import LinearVerifier
-from specquant_cli.runtime import ADAPTIVE_GAMMA_MAX
+from specquant_cli.settings import DEFAULT_GAMMA
 
 from conftest import run_cli
 
@@ -91,7 +91,7 @@ def prompt(models):
 
 @pytest.fixture(scope="module")
 def noise(parent):
-    return measure_noise(parent, DEFAULT_GAMMA, ADAPTIVE_GAMMA_MAX)
+    return measure_noise(parent, DEFAULT_GAMMA, GAMMA_MAX)
 
 
 def answer(parent, draft, prompt, verifier=None) -> list[int]:
@@ -118,7 +118,7 @@ def test_top2_orders_and_breaks_ties_like_argmax():
 
 
 def test_noise_figures_are_consistent(noise, parent):
-    assert noise.rows == 3 * 20 * len(noise.batch_sizes) and {2, DEFAULT_GAMMA + 1, ADAPTIVE_GAMMA_MAX + 1, 0} \
+    assert noise.rows == 3 * 20 * len(noise.batch_sizes) and {2, DEFAULT_GAMMA + 1, GAMMA_MAX + 1, 0} \
         <= set(noise.batch_sizes)
     assert 0 <= noise.p99_margin_diff <= noise.max_margin_diff <= 2 * noise.max_logit_diff
     assert noise.bound == NOISE_SAFETY_FACTOR * noise.max_margin_diff < 1.0  # hundredths on this CPU build

@@ -705,28 +705,31 @@ def test_file_type_of_a_truncated_header_is_one_line(tmp_path, demo, cut):
         ggufio.read_file_type(p)
 
 
-# -- 5. thread counts: 1 .. 4 x logical cores -------------------------------------------------------------------
-BAD_ENV = [("0", "expected a positive integer"), ("-1", "expected a positive integer"),
-           ("abc", "expected a positive integer"), (" 4", "expected a positive integer"),
-           ("\u0664", "expected a positive integer"), ("100000", f"at most {LIMIT} threads"),
+# -- 5. thread counts: 0 (every core) or 1 .. 4 x logical cores, from any source ---------------------------------
+BAD_ENV = [("-1", "expected 0 or a positive integer"), ("abc", "expected an integer"), (" 4", "expected an integer"),
+           ("\u0664", "expected an integer"), ("100000", f"at most {LIMIT} threads"),
            ("4096", f"at most {LIMIT} threads"), (str(LIMIT + 1), f"at most {LIMIT} threads"),
            ("9" * 5000, f"at most {LIMIT} threads")]
 
 
-@pytest.mark.parametrize("value,needle", BAD_ENV, ids=["0", "-1", "abc", "space", "arabic-4", "100000", "4096",
+def _threads_from(value: str):
+    from specquant_cli.settings import resolve
+
+    return resolve(["runtime.threads"], environ={"SPECQUANT_THREADS": value}).runtime.threads
+
+
+@pytest.mark.parametrize("value,needle", BAD_ENV, ids=["-1", "abc", "space", "arabic-4", "100000", "4096",
                                                       "limit+1", "5000-digits"])
-def test_bad_specquant_threads_is_refused(monkeypatch, value, needle):
-    from specquant_cli.backend.llama import default_threads
+def test_bad_specquant_threads_is_refused(value, needle):
     from specquant_cli.errors import InputError
 
-    monkeypatch.setenv("SPECQUANT_THREADS", value)
     with pytest.raises(InputError) as e:
-        default_threads()
+        _threads_from(value)
     assert needle in str(e.value) and str(e.value).startswith("SPECQUANT_THREADS=") and "\n" not in str(e.value)
     assert len(str(e.value)) < 200
 
 
-@pytest.mark.parametrize("value", ["100000", "4096", str(LIMIT + 1), "0", "abc"])
+@pytest.mark.parametrize("value", ["100000", "4096", str(LIMIT + 1), "-1", "abc"])
 def test_bad_specquant_threads_chat_is_one_line(fam, value):
     r = cli(["chat", "--family", fam, "--policy", "parent", "--max-tokens", "1", "Hi"],
             env={"SPECQUANT_THREADS": value})
@@ -736,12 +739,10 @@ def test_bad_specquant_threads_chat_is_one_line(fam, value):
                        f"(4 × {CORES} logical cores)"
 
 
-@pytest.mark.parametrize("value", ["1", str(LIMIT), "", "01"])
-def test_good_specquant_threads_is_accepted(monkeypatch, value):
-    from specquant_cli.backend.llama import default_threads
-
-    monkeypatch.setenv("SPECQUANT_THREADS", value)
-    assert default_threads() == (int(value) if value else CORES)
+@pytest.mark.parametrize("value", ["1", str(LIMIT), "", "01", "0"])
+def test_good_specquant_threads_is_accepted(value):
+    # 0 means every core wherever it is set (flag, variable, specquant.toml); unset is the default, 0
+    assert _threads_from(value) == (int(value) if value.strip("0") else CORES)
 
 
 def test_context_refuses_too_many_threads_before_llama_sees_them():

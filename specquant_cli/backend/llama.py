@@ -20,7 +20,6 @@ import numpy as np
 
 from specquant_cli.errors import InputError, LlamaError, VocabMismatchError
 from specquant_cli.names import LogitsMode
-from specquant_cli.settings import env
 
 PIECE_BUF_BYTES = 256  # one token's text; longer pieces get a buffer of their own
 META_BUF_BYTES = 1 << 16  # a metadata value (chat templates run to a few KiB)
@@ -70,56 +69,28 @@ def llama_log_to(path: Optional[Path]) -> Iterator[None]:
                 f.close()
 
 
-def _default_log() -> None:
-    """SPECQUANT_LLAMA_LOG=FILE keeps llama.cpp's log of model loading; otherwise it is dropped."""
+def set_log_file(path: Path, label: str) -> None:
+    """Send llama.cpp's log to `path` (appending) for the rest of the process (the runtime.llama_log setting,
+    applied at the command edge; `label` names where it was set, for the error); otherwise it is dropped."""
     global _log_file
     init_backend()
-    if _log_file is None and env("SPECQUANT_LLAMA_LOG"):
-        path = env("SPECQUANT_LLAMA_LOG")
-        try:
-            _log_file = open(path, "a", encoding="utf-8")
-        except OSError as e:
-            raise InputError(f"SPECQUANT_LLAMA_LOG={path}: cannot write llama.cpp's log there ({e.strerror})") \
-                from None
-
-
-THREADS_PER_CORE = 4  # more threads than this per logical core only wait on each other (100000 crashes llama.cpp)
-
-
-def thread_limit() -> tuple[int, int]:
-    """(most threads a thread-count option accepts, logical cores)."""
-    cores = max(1, os.cpu_count() or 1)
-    return THREADS_PER_CORE * cores, cores
-
-
-def threads_problem(n: int) -> Optional[str]:
-    """Why `n` is no thread count for this machine (1 .. 4 x logical cores), else None."""
-    limit, cores = thread_limit()
-    if n < 1:
-        return "expected a positive integer"
-    if n > limit:
-        return f"at most {limit} threads on this machine ({THREADS_PER_CORE} × {cores} logical cores)"
-    return None
+    try:
+        f = open(path, "a", encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"{label}: cannot write llama.cpp's log there ({e.strerror})") from None
+    with _log_lock:
+        _log_file = f
 
 
 def check_threads(n: int, label: str) -> int:
-    why = threads_problem(n)
-    if why:
-        raise InputError(f"{label}: {why}")
-    return n
+    """`n` if it is a thread count for this machine (settings.check_threads), else InputError naming `label`."""
+    from specquant_cli.settings import SettingError
+    from specquant_cli.settings import check_threads as check
 
-
-def default_threads() -> int:
-    """SPECQUANT_THREADS when set (1 .. 4 x logical cores), else every core. On a machine shared with other
-    busy processes, fewer threads than cores avoids llama.cpp's threads waiting on each other."""
-    raw = env("SPECQUANT_THREADS")
-    if not raw:
-        return max(1, os.cpu_count() or 1)
-    shown = raw if len(raw) <= 24 else raw[:24] + "…"
-    if not (raw.isascii() and raw.isdigit()):
-        raise InputError(f"SPECQUANT_THREADS={shown!r}: expected a positive integer")
-    n = int(raw) if len(raw) <= 9 else 10**9  # int() refuses 4300+ digits; anything this long is too many
-    return check_threads(n, f"SPECQUANT_THREADS={shown}")
+    try:
+        return check(n)
+    except SettingError as e:
+        raise InputError(f"{label}: {e}") from None
 
 
 def _status(line: str) -> None:
@@ -157,12 +128,12 @@ class Model:
     """Weights and vocabulary of one GGUF file."""
 
     def __init__(self, path: Path | str, n_gpu_layers: int = 0, vocab_only: bool = False,
-                 devices: Optional[list[int]] = None, tensor_split: Optional[list[float]] = None):
+                 devices: Optional[list[int]] = None, tensor_split: Optional[list[float]] = None, mmap: bool = False):
         """`devices` (ggml device pointers, e.g. RPC workers') replace the default offload devices, with
-        `tensor_split` their shares of the layers."""
+        `tensor_split` their shares of the layers. `mmap`: map the file instead of reading it (runtime.mmap)."""
         import llama_cpp
 
-        _default_log()
+        init_backend()
         self.path = Path(path)
         if not self.path.is_file():
             raise InputError(f"{self.path}: no such model file")
@@ -182,8 +153,8 @@ class Model:
         # Weights are read into process memory instead of mapped from the page cache: a mapped model's pages
         # can be reclaimed under memory management (measured: a 43-token prefill taking 4.2 s instead of
         # 0.35 s, one answer 17x slower), which makes both latency and every measurement erratic.
-        # SPECQUANT_MMAP=1 maps them (faster start, shared between processes).
-        if not vocab_only and env("SPECQUANT_MMAP") != "1":
+        # The runtime.mmap setting maps them (faster start, shared between processes).
+        if not vocab_only and not mmap:
             params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
         self._ptr = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
         if not self._ptr:
@@ -380,7 +351,7 @@ class Context(PrefixCache):
         import llama_cpp
 
         self.model = model
-        threads = check_threads(n_threads, "threads") if n_threads else default_threads()
+        threads = check_threads(n_threads, "threads") if n_threads else max(1, os.cpu_count() or 1)
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch

@@ -94,8 +94,13 @@ def key() -> str:
 
 # -- the cache -----------------------------------------------------------------------------------------------
 def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specquant" / "selftest.json"
+    """The verdict's file in specquant's user cache (settings.cache_home)."""
+    from specquant_cli.settings import cache_home
+
+    home = cache_home()
+    if home is None:
+        raise OSError("no user cache folder (no home, no absolute XDG_CACHE_HOME)")
+    return home / "selftest.json"
 
 
 def _valid_entry(e: object) -> bool:
@@ -127,7 +132,10 @@ def _store(r: Result) -> None:
     """Best effort: a cache that cannot be written only means the test runs again next time."""
     from specquant_cli.fsutil import write_json_atomic
 
-    path = cache_path()
+    try:
+        path = cache_path()
+    except OSError:
+        return
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         entries = data["entries"] if data.get("schema") == SCHEMA and isinstance(data.get("entries"), dict) else {}

@@ -9,10 +9,11 @@ from typing import Optional
 
 from specquant_cli.bench import fidelity
 from specquant_cli.bench.datasets import Item, extract_answer
+from specquant_cli.decoding.gamma import GAMMA_MAX
 from specquant_cli.decoding.sampling import SamplingParams
 from specquant_cli.family.roles import PARENT_ROLE
 from specquant_cli.routing.router import Router
-from specquant_cli.runtime import ADAPTIVE_GAMMA_MAX, Runtime
+from specquant_cli.runtime import Runtime
 from specquant_cli.session import ChatSession
 
 
@@ -138,4 +139,4 @@ def judge_fidelity(runtime: Runtime, router: Router, items: Sequence[Item], reco
     ctx = runtime.pool.context(PARENT_ROLE)
     session = ChatSession(runtime, router, "parent", sp)  # renders a prompt exactly as the timed runs did
     prompts = {i.id: ctx.model.chat_prompt(session.messages(i.prompt)) for i in items}
-    return fidelity.check(ctx, records, prompts, runtime.costs.gamma, ADAPTIVE_GAMMA_MAX)
+    return fidelity.check(ctx, records, prompts, runtime.costs.gamma, GAMMA_MAX)

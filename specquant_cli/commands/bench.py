@@ -8,17 +8,10 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import (
-    ConfigOpt,
-    CtxOpt,
-    FamilyOpt,
-    JsonOpt,
-    RpcOpt,
-    finite,
-    split_list,
-)
+from specquant_cli.commands.options import JsonOpt, split_list, with_settings
 from specquant_cli.console import err, out_json, stderr_reporter
 from specquant_cli.routing.policies import bench_policies
+from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
@@ -26,28 +19,25 @@ def register(app: typer.Typer) -> None:
                               "accuracy.")(bench)
 
 
+@with_settings("decoding.temperature", "decoding.seed", "decoding.gamma", "runtime.family", "runtime.ctx",
+               "runtime.threads", "runtime.mmap", "runtime.rpc", "runtime.rpc_timeout")
 def bench(
-    family: Optional[Path] = FamilyOpt,
     dataset: list[Path] = typer.Option([], "--dataset", help="Spec-Bench-format JSONL (repeatable); "
                                                              "default: the built-in prompt set"),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories"),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most N prompts per category"),
     policies: str = typer.Option(",".join(bench_policies()), "--policies", help="Comma-separated policies"),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0, callback=finite,
-                                      help="0 = greedy (identical_rate and the fidelity proof need it)"),
-    seed: int = typer.Option(0, "--seed", min=0, max=2**64 - 1),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Timed runs per prompt and policy"),
     warmup: int = typer.Option(1, "--warmup", min=0, help="Warm-up generations per model before timing"),
-    gamma: int = typer.Option(4, "--gamma", min=1, max=16),
-    n_ctx: int = CtxOpt,
-    config: Optional[Path] = ConfigOpt,
     json_out: bool = JsonOpt,
     json_file: Optional[Path] = typer.Option(None, "--json-file", help="Write the full report (records + summary)"),
     md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown report"),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="PNG of speedup vs identical rate"),
-    rpc: Optional[str] = RpcOpt,
+    *, cfg: Settings,
 ) -> None:
+    """Greedy (--temperature 0, the default) is what identical_rate and the fidelity proof need; --seed defaults
+    to 0 here, so that a sampled bench repeats."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specquant_cli.bench import datasets, fidelity, report, runner
@@ -62,18 +52,18 @@ def bench(
     names = [check_policy(p) for p in split_list(policies, "--policies", "policy")]
     names = ["parent"] + [p for p in names if p != "parent"]  # the baseline runs first
     report.check_outputs({"--json-file": json_file, "--markdown": md_out, "--plot": plot_out},
-                         inputs=[*dataset, *([config] if config else [])])
+                         inputs=[*dataset, *([cfg.config] if cfg.config else [])])
     if plot_out:
         report.check_plot_available()
     cats = split_list(categories, "--categories", "category")
     items = datasets.load(dataset, cats, limit)
     facts = detect()
-    session = open_session(SessionSettings(family, n_ctx, gamma, router_config=config, facts=facts),
-                           report=stderr_reporter(), warn_ctx=True)
+    session = open_session(SessionSettings.of(cfg, facts=facts), report=stderr_reporter(), warn_ctx=True)
     runtime, router, fam = session.runtime, session.router, session.runtime.family
     for p in names:
         check_policy(p, fam.roles())  # before a model loads
     datasets.check_lengths(items, router.check_length)
+    temperature, seed, n_ctx = cfg.decoding.temperature, cfg.decoding.seed or 0, cfg.runtime.ctx
     sp = SamplingParams(temperature=temperature, seed=seed)
     t0 = time.perf_counter()
     total = len(items) * len(names)
@@ -104,7 +94,7 @@ def bench(
         "family": {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance, "caveat": INFLATION_NOTE,
                    "roles": fam.manifest.get("roles", {})},
         "config": {"items": len(items), "policies": names, "max_tokens": max_tokens, "temperature": temperature,
-                   "seed": seed, "repeats": repeats, "warmup": warmup, "gamma": gamma, "n_ctx": n_ctx,
+                   "seed": seed, "repeats": repeats, "warmup": warmup, "gamma": cfg.decoding.gamma, "n_ctx": n_ctx,
                    "datasets": [str(d) for d in dataset] or ["builtin"], "categories": cats, "limit": limit},
         "wall_s": round(time.perf_counter() - t0, 1),
         "summary": summary,

@@ -1,12 +1,10 @@
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Optional
-
 import typer
 
-from specquant_cli.commands.options import CtxOpt, FamilyOpt, JsonOpt, RpcOpt
+from specquant_cli.commands.options import JsonOpt, with_settings
 from specquant_cli.console import err, out_json, stderr_reporter
+from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
@@ -15,17 +13,17 @@ def register(app: typer.Typer) -> None:
                                   "is read-only).")(calibrate)
 
 
+@with_settings("runtime.family", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc",
+               "runtime.rpc_timeout")
 def calibrate(
-    family: Optional[Path] = FamilyOpt,
-    n_ctx: int = CtxOpt,
     force: bool = typer.Option(False, "--force", help="Measure again even when this machine's costs are cached"),
     json_out: bool = JsonOpt,
-    rpc: Optional[str] = RpcOpt,
+    *, cfg: Settings,
 ) -> None:
     from specquant_cli.session import open_session
     from specquant_cli.settings import SessionSettings
 
-    runtime = open_session(SessionSettings(family, n_ctx), report=stderr_reporter()).runtime
+    runtime = open_session(SessionSettings.of(cfg), report=stderr_reporter()).runtime
     fam = runtime.family
     try:
         c = runtime.calibration(force=force, require_save=True)  # unsaveable: refused before measuring

@@ -6,8 +6,9 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import FamilyOpt, JsonOpt, load_family, thread_bound
+from specquant_cli.commands.options import JsonOpt, load_family, with_settings
 from specquant_cli.console import err, out_json
+from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
@@ -17,29 +18,29 @@ def register(app: typer.Typer) -> None:
                      "draft recipes of specquant quantize.")(calibrate_activations)
 
 
+@with_settings("runtime.family", "runtime.threads")
 def calibrate_activations(
-    family: Optional[Path] = FamilyOpt,
     calibration: Optional[Path] = typer.Option(None, "--calibration",
                                                help="UTF-8 text to calibrate on (default: the built-in mixed set of "
                                                     "chat, code and prose, ~4k tokens)"),
     tokens: int = typer.Option(4096, "--tokens", min=16, help="Use at most this many calibration tokens"),
     chunk: int = typer.Option(512, "--chunk", min=32, max=8192, help="Tokens per forward pass (a fresh cache each)"),
-    threads: int = typer.Option(0, "--threads", min=0, callback=thread_bound,
-                                help="llama.cpp threads (0 = the default)"),
     json_out: bool = JsonOpt,
+    *, cfg: Settings,
 ) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specquant_cli.family.imatrix import calibrate_family
 
-    fam = load_family(family)
+    fam = load_family(cfg.runtime.family)
+    threads = cfg.runtime.threads
     t0 = time.perf_counter()
     if not err.is_terminal:  # a log, not a terminal: one plain line per chunk instead of a live bar
         def line(done: int, total: int) -> None:
             err.print(f"activations of {fam.name} f16: {done}/{total} tokens ({time.perf_counter() - t0:.0f}s)",
                       markup=False)
 
-        rec = calibrate_family(fam, calibration, tokens, chunk, threads or None, line)
+        rec = calibrate_family(fam, calibration, tokens, chunk, threads, line)
     else:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                       TimeElapsedColumn(), console=err, transient=False) as prog:
@@ -48,7 +49,7 @@ def calibrate_activations(
             def progress(done: int, total: int) -> None:
                 prog.update(task, completed=done, total=total)
 
-            rec = calibrate_family(fam, calibration, tokens, chunk, threads or None, progress)
+            rec = calibrate_family(fam, calibration, tokens, chunk, threads, progress)
     if json_out:
         out_json(rec)
         return

@@ -1,23 +1,13 @@
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import (
-    ConfigOpt,
-    CtxOpt,
-    FamilyOpt,
-    JsonOpt,
-    PolicyOpt,
-    RpcOpt,
-    SeedOpt,
-    TemperatureOpt,
-    TopPOpt,
-)
+from specquant_cli.commands.options import JsonOpt, with_settings
 from specquant_cli.console import err, out, out_json, stderr_reporter
 from specquant_cli.inputs import check_text, read_prompt, stdin_is_tty
+from specquant_cli.settings import Settings
 
 HELP = """Chat with a family: routed, speculative, lossless unless the policy says otherwise.
 
@@ -32,42 +22,37 @@ def register(app: typer.Typer) -> None:
     app.command("chat", help=HELP)(chat)
 
 
+SETTINGS = ("decoding.policy", "decoding.temperature", "decoding.top_p", "decoding.top_k", "decoding.seed",
+            "decoding.gamma", "runtime.family", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc",
+            "runtime.rpc_timeout")
+
+
+@with_settings(*SETTINGS)
 def chat(
     prompt: Optional[list[str]] = typer.Argument(None, help="Prompt text; '-' stands for stdin", show_default=False),
-    family: Optional[Path] = FamilyOpt,
-    policy: str = PolicyOpt,
     max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="New tokens per answer"),
-    temperature: float = TemperatureOpt,
-    top_p: float = TopPOpt,
-    top_k: int = typer.Option(0, "--top-k", min=0, help="0 = off"),
-    seed: Optional[int] = SeedOpt,
     system: Optional[str] = typer.Option(None, "--system", help="System message"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
-    gamma: int = typer.Option(4, "--gamma", min=1, max=16, help="Draft length (initial, for adaptive)"),
-    n_ctx: int = CtxOpt,
-    config: Optional[Path] = ConfigOpt,
     json_out: bool = JsonOpt,
     each_line: bool = typer.Option(False, "--each-line", help="Each non-empty input line is its own prompt"),
     stats: bool = typer.Option(False, "--stats", help="Print generation stats to stderr"),
     interactive: bool = typer.Option(False, "--interactive", "-i", help="Interactive even when stdin is piped"),
-    rpc: Optional[str] = RpcOpt,
+    *, cfg: Settings,
 ) -> None:
     from specquant_cli.decoding.sampling import SamplingParams
-    from specquant_cli.routing.policies import check_policy
     from specquant_cli.session import open_session
     from specquant_cli.settings import SessionSettings
 
-    check_policy(policy)
+    d = cfg.decoding
     if system is not None:
         check_text(system, "--system")
     for s in stop:
         check_text(s, "--stop")
     is_interactive = interactive or (not prompt and stdin_is_tty())
     prompts = [] if is_interactive else _prompts(prompt, each_line)
-    session = open_session(SessionSettings(family, n_ctx, gamma, policy=policy,
-                                           sampling=SamplingParams(temperature, top_k, top_p, seed),
-                                           max_tokens=max_tokens, system=system, stop=tuple(stop),
-                                           router_config=config), report=stderr_reporter(), warn_ctx=True)
+    session = open_session(SessionSettings.of(cfg, sampling=SamplingParams(d.temperature, d.top_k, d.top_p, d.seed),
+                                              max_tokens=max_tokens, system=system, stop=tuple(stop)),
+                           report=stderr_reporter(), warn_ctx=True)
     runtime = session.runtime
     try:
         if is_interactive:

@@ -1,38 +1,30 @@
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from specquant_cli.commands.options import (
-    FAMILY_ENV,
-    MAX_CTX,
-    FamilyOpt,
-    JsonOpt,
-    RpcOpt,
-    load_family,
-    warn_above_trained_ctx,
-)
+from specquant_cli.commands.options import JsonOpt, load_family, warn_above_trained_ctx, with_settings
 from specquant_cli.console import err, gib, out_json
-from specquant_cli.settings import env
+from specquant_cli.settings import Settings, resolve_all
 
 
 def register(app: typer.Typer) -> None:
     app.command("doctor", help="What this machine can run: GPUs (NVML), host (psutil), and a placement plan.")(doctor)
 
 
+@with_settings("runtime.family", "runtime.ctx", "runtime.threads", "runtime.rpc", "runtime.rpc_timeout")
 def doctor(
-    family: Optional[Path] = FamilyOpt,
-    n_ctx: int = typer.Option(4096, "--ctx", min=256, max=MAX_CTX, help="Context size the plan reserves KV cache for"),
     verify: bool = typer.Option(False, "--verify", help="With --family: also check each file's sha256"),
     run_selftest: bool = typer.Option(False, "--selftest", help="Run the llama.cpp build's self-test again "
                                       "(a decode per weight type, in child processes); exit 1 if it fails"),
     json_out: bool = JsonOpt,
-    rpc: Optional[str] = RpcOpt,
+    *, cfg: Settings,
 ) -> None:
+    """--ctx is the context the placement plan reserves KV cache for. The report's "settings" are every
+    setting as this command line, the environment and specquant.toml resolve it, and where each came from."""
     from specquant_cli.backend import selftest
     from specquant_cli.system import hardware
     from specquant_cli.system.placement import family_placements
@@ -44,12 +36,14 @@ def doctor(
     else:
         st = selftest.cached()
     facts.build["selftest"] = st.to_dict() if st else None
-    report = {"hardware": facts.to_dict(), "advice": hardware.advice(facts)}
+    report = {"hardware": facts.to_dict(), "advice": hardware.advice(facts),
+              "settings": resolve_all(cfg).to_dict()}
     broken: dict[str, str] = {}
-    if family is not None or env(FAMILY_ENV):
+    n_ctx, rpc_endpoints = cfg.runtime.ctx, cfg.runtime.rpc or []
+    if cfg.runtime.family is not None:
         from specquant_cli.errors import FamilyError
 
-        fam = load_family(family)
+        fam = load_family(cfg.runtime.family)
         warn_above_trained_ctx(fam, n_ctx)
         # every variant checked (path inside the folder, size, GGUF parse, type, vocabulary; sha256 with --verify)
         checks = fam.check(hashes=verify, deep=True)
@@ -62,11 +56,10 @@ def doctor(
         except FamilyError:  # a record too broken to plan with: reported below
             report["placements"] = {}
         from specquant_cli.system import calibration as cal
-        from specquant_cli.system import rpc as rpc_mod
 
-        c = cal.load(fam.root, cal.fingerprint(facts, None, rpc_mod.configured()))
+        c = cal.load(fam.root, cal.fingerprint(facts, cfg.runtime.threads, rpc_endpoints))
         report["calibration"] = c.to_dict() if c else None
-    remote = _rpc_report(report.get("family") and fam, n_ctx)
+    remote = _rpc_report(rpc_endpoints, report.get("family") and fam, n_ctx)
     if remote:
         report["rpc"] = remote
     if json_out:
@@ -88,14 +81,13 @@ def doctor(
                           "variants broken: " + "; ".join(f"{role}: {why}" for role, why in broken.items()))
 
 
-def _rpc_report(fam, n_ctx: int) -> Optional[dict]:
+def _rpc_report(endpoints: list[str], fam, n_ctx: int) -> Optional[dict]:
     """The --rpc workers' memory (probed; a worker that is down is an error), and with a family, the parent's
     layers over them (split by free memory) and whether it fits."""
     from specquant_cli.errors import ResourceError
     from specquant_cli.family.roles import PARENT_ROLE
     from specquant_cli.system import rpc
 
-    endpoints = rpc.configured()
     if not endpoints:
         return None
     workers = rpc.probe_all(endpoints)
@@ -150,6 +142,12 @@ def _render(report: dict) -> None:
     err.print(t)
     if report.get("advice"):
         err.print(f"[yellow]advice:[/] {report['advice']}")
+    s = Table(title="settings (specquant.toml < SPECQUANT_* < flags; machine: decided here)")
+    for col in ("setting", "value", "from"):
+        s.add_column(col)
+    for key, v in report["settings"].items():
+        s.add_row(key, escape(str(v["value"])), escape(v["source"] + (f" ({v['from']})" if "from" in v else "")))
+    err.print(s)
     if report.get("rpc"):
         _render_rpc(report["rpc"])
     if "placements" in report:

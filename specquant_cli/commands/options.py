@@ -1,39 +1,25 @@
-"""Reusable option specs for the commands (one place, so every command spells an option the same way)."""
+"""The command edge of the settings: `with_settings(*keys)` gives a command the options of the settings it takes,
+each built from its one declaration (settings.SETTINGS: flag, type, bounds, default, help), resolves them (default
+< specquant.toml < environment < flag) before the command body runs, and hands them in as `cfg`. Options that
+belong to one command only (and are no setting) stay in that command's signature."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+import typing
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from specquant_cli.routing.policies import DEFAULT_POLICY, policy_help
+from specquant_cli.errors import InputError
+from specquant_cli.settings import CONFIG_NAME, Setting, SettingError, Settings, resolve, settings_table
 
-FAMILY_ENV = "SPECQUANT_FAMILY"
-
-FamilyOpt = typer.Option(None, "--family", help=f"Family folder (default: ${FAMILY_ENV}, else models/smollm2-135m)")
-PolicyOpt = typer.Option(DEFAULT_POLICY, "--policy", help=policy_help())
-ConfigOpt = typer.Option(None, "--config", help="Router config (TOML, [router] table); default ./specquant.toml")
+ConfigOpt = typer.Option(None, "--config", help=f"Settings and router config (TOML: [decoding], [runtime], "
+                                                f"[serving], [router] tables); default ./{CONFIG_NAME}")
 JsonOpt = typer.Option(False, "--json", help="JSON on stdout (one object per answer or report)")
-MAX_CTX = 1 << 20
-CtxOpt = typer.Option(4096, "--ctx", min=256, max=MAX_CTX, help="Context size (tokens)")
-
-
-def thread_bound(value: Optional[int]) -> Optional[int]:
-    """Option callback: a --threads count of at most 4 x logical cores (0 and None mean the default)."""
-    if value:
-        from specquant_cli.backend.llama import threads_problem
-
-        why = threads_problem(value)
-        if why:
-            raise typer.BadParameter(f"{value}: {why}")
-    return value
-
-
-# One meaning everywhere: 0 (the default) is every core, or $SPECQUANT_THREADS where llama.cpp runs.
-ThreadsOpt = typer.Option(0, "--threads", min=0, callback=thread_bound, help="Threads (0 = all cores)")
-SeedOpt = typer.Option(None, "--seed", min=0, max=2**64 - 1, help="Same seed, same sampled output")
 
 
 def finite(value: Optional[float]) -> Optional[float]:
@@ -43,14 +29,109 @@ def finite(value: Optional[float]) -> Optional[float]:
     return value
 
 
-TemperatureOpt = typer.Option(0.0, "--temperature", min=0.0, callback=finite, help="0 = greedy")
-TopPOpt = typer.Option(1.0, "--top-p", min=0.0, max=1.0, callback=finite)
+def _callback(s: Setting):
+    """The option's check: the declaration's own (and finiteness for a number), as a usage error."""
+
+    def check(value):
+        if value is None or (s.kind is bool):
+            return value
+        if s.kind is float:
+            finite(value)
+        if s.check is None:
+            return value
+        try:
+            return s.check(value)
+        except SettingError as e:
+            if not s.usage:
+                raise InputError(str(e)) from None
+            raise typer.BadParameter(f"{value if str(value).strip() else repr(value)}: {e}") from None
+
+    return check
+
+
+def _option(s: Setting):
+    kw: dict = {"help": f"{s.help} [{s.where()}]", "callback": _callback(s)}
+    if s.shown is not None:
+        kw["show_default"] = s.shown
+    if s.secret:
+        kw["show_default"] = False
+    if s.lo is not None:
+        kw["min"] = s.lo if s.kind is float else int(s.lo)
+    if s.hi is not None:
+        kw["max"] = s.hi if s.kind is float else int(s.hi)
+    decls = [f"{s.flag}/--no-{s.flag[2:]}"] if s.kind is bool else [s.flag]
+    return typer.Option(s.default, *decls, **kw)
+
+
+def _annotation(s: Setting):
+    return Optional[s.kind] if s.optional else s.kind
+
+
+def with_settings(*keys: str):
+    """Decorator of a command function: it takes the settings `keys` as options (in this order, after its own)
+    and --config, and receives them resolved as its `cfg` parameter (settings.Settings). Resolution errors (a bad
+    variable or specquant.toml value) are one line naming where the value came from."""
+
+    def deco(fn):
+        table = settings_table()
+        hints = typing.get_type_hints(fn)
+        sig = inspect.signature(fn)
+        params = [p.replace(annotation=hints.get(n, p.annotation)) for n, p in sig.parameters.items() if n != "cfg"]
+        names = {}
+        for key in keys:
+            s = table[key]
+            if s.flag is None:
+                continue  # environment and specquant.toml only
+            pname = "setting_" + key.replace(".", "_")
+            names[pname] = key
+            params.append(inspect.Parameter(pname, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=_option(s),
+                                            annotation=_annotation(s)))
+        params.append(inspect.Parameter("settings_config", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                        default=ConfigOpt, annotation=Optional[Path]))
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            click_core = _click_module("core")
+            ctx = _click_module("globals").get_current_context()
+            ParameterSource = click_core.ParameterSource
+            config = kwargs.pop("settings_config")
+            flags = {}
+            for pname, key in names.items():
+                value = kwargs.pop(pname)
+                if ctx.get_parameter_source(pname) in (ParameterSource.COMMANDLINE, ParameterSource.PROMPT):
+                    flags[key] = value
+            cfg = resolve(keys, flags, config)
+            _apply_process_settings(cfg)
+            return fn(*args, cfg=cfg, **kwargs)
+
+        del command.__wrapped__
+        command.__signature__ = sig.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return deco
+
+
+def _click_module(name: str):
+    """A module of the click that typer runs on (recent typers vendor their own as typer._click)."""
+    import importlib
+
+    package = typer.BadParameter.__module__.rsplit(".", 1)[0]
+    return importlib.import_module(f"{package}.{name}")
+
+
+def _apply_process_settings(cfg: Settings) -> None:
+    """What holds for the whole process: llama.cpp's log file."""
+    path = cfg.get("runtime.llama_log")
+    if path is not None:
+        from specquant_cli.backend.llama import set_log_file
+
+        set_log_file(path, f"SPECQUANT_LLAMA_LOG={path}" if cfg.source("runtime.llama_log") == "env" else
+                     f"runtime.llama_log = {path}")
 
 
 def split_list(value: Optional[str], option: str, what: str) -> Optional[list[str]]:
     """A comma-separated option as a list of distinct non-empty items; None when not given."""
-    from specquant_cli.errors import InputError
-
     if value is None:
         return None
     items = list(dict.fromkeys(x.strip() for x in value.split(",") if x.strip()))
@@ -76,20 +157,3 @@ def warn_above_trained_ctx(fam, n_ctx: int) -> None:
     warning = ctx_warning(fam, n_ctx)
     if warning:
         err.print(warning, markup=False)
-
-
-def rpc_endpoints(value: Optional[str]) -> Optional[str]:
-    """Option callback: --rpc / $SPECQUANT_RPC, checked and made the session's workers (system.rpc.configure)."""
-    from specquant_cli.errors import InputError
-    from specquant_cli.system import rpc
-
-    try:
-        rpc.configure(rpc.parse_endpoints(value))
-    except InputError as e:
-        raise typer.BadParameter(str(e).removeprefix("--rpc ")) from None
-    return value
-
-
-RpcOpt = typer.Option(None, "--rpc", envvar="SPECQUANT_RPC", callback=rpc_endpoints, show_envvar=True,
-                      help="Run the parent's layers on llama.cpp RPC workers HOST:PORT[,HOST:PORT…] "
-                           "(specquant worker); drafts stay here")

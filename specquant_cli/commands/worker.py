@@ -13,9 +13,10 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import thread_bound
+from specquant_cli.commands.options import with_settings
 from specquant_cli.console import err
 from specquant_cli.errors import InputError, ResourceError
+from specquant_cli.settings import Settings
 from specquant_cli.system.rpc import DEFAULT_PORT
 
 HELP = ("Serve this machine's CPU to a specquant parent elsewhere (llama.cpp RPC: `--rpc HOST:PORT` there). The "
@@ -29,13 +30,14 @@ def register(app: typer.Typer) -> None:
     app.command("worker", help=HELP)(worker)
 
 
+@with_settings("runtime.threads")
 def worker(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless --allow-remote)"),
     port: int = typer.Option(DEFAULT_PORT, "--port", min=1, max=65535, help="TCP port"),
-    threads: int = typer.Option(0, "--threads", min=0, callback=thread_bound, help="Compute threads (0 = all cores)"),
     mem: Optional[float] = typer.Option(None, "--mem", min=0.01, help="GiB of memory offered (default: available RAM)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Keep received tensors here (faster reloads)"),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow a non-loopback --host (no auth!)"),
+    *, cfg: Settings,
 ) -> None:
     from specquant_cli import interrupts
 
@@ -48,7 +50,7 @@ def worker(
     done = threading.Event()
     sys.stdout.flush()
     os.dup2(2, 1)  # ggml's server prints its log with printf: keep it on stderr
-    t = threading.Thread(target=_serve, args=(endpoint, cache_dir, threads, dev, done), daemon=True)
+    t = threading.Thread(target=_serve, args=(endpoint, cache_dir, cfg.runtime.threads, dev, done), daemon=True)
     t.start()
     try:  # SIGTERM (interrupts.Terminated) is a clean stop from here on: exit 0
         free, total = _memory(dev)
@@ -122,7 +124,6 @@ def _memory(dev: int) -> tuple[int, int]:
 
 
 def _serve(endpoint: str, cache_dir: Optional[Path], threads: int, dev: int, done: threading.Event) -> None:
-    from specquant_cli.backend.llama import default_threads
     from specquant_cli.system.rpc import proc
 
     start = proc("ggml_backend_rpc_start_server",
@@ -130,7 +131,7 @@ def _serve(endpoint: str, cache_dir: Optional[Path], threads: int, dev: int, don
                                   ctypes.POINTER(ctypes.c_void_p)))
     devs = (ctypes.c_void_p * 1)(dev)
     try:
-        start(endpoint.encode(), os.fsencode(cache_dir) if cache_dir else None, threads or default_threads(), 1, devs)
+        start(endpoint.encode(), os.fsencode(cache_dir) if cache_dir else None, threads, 1, devs)
     finally:
         sys.stdout.flush()
         done.set()

@@ -17,8 +17,7 @@ from specquant_cli.decoding.sampling import GREEDY, SamplingParams
 from specquant_cli.decoding.verify import LinearVerifier
 from specquant_cli.errors import InputError
 from specquant_cli.names import Source
-
-DEFAULT_GAMMA = 4
+from specquant_cli.settings import DEFAULT_GAMMA
 
 
 @dataclass

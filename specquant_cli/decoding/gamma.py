@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Optional
 
 from specquant_cli.decoding.protocols import CycleOutcome
+from specquant_cli.settings import DEFAULT_GAMMA
 
 # The acceptance prior counts as this many observed tokens, so the first few cycles cannot swing it.
 PRIOR_PSEUDO_COUNTS = 4.0
@@ -28,6 +29,7 @@ CALIBRATED_PRIOR_COUNTS = 16.0
 # on near ties the shorter draft wastes less when the estimate is off.
 TIE_MARGIN = 1.01
 # Draft-free drafters (suffix) size each draft themselves, up to this.
+GAMMA_MAX = 8  # the longest model draft: what a plan predicts for and an adaptive length may reach
 SUFFIX_GAMMA_MAX = 32
 
 
@@ -97,8 +99,8 @@ class AdaptiveGamma:
     """γ from EMA estimates of acceptance (`Acceptance`), draft cost per token and verify cost per batch
     size: after every cycle, the γ in 0..gamma_max with the most expected tokens per second."""
 
-    def __init__(self, gamma_max: int = 8, gamma_init: int = 4, decay: float = 0.85, probe_every: int = 16,
-                 alpha_prior: float = 0.5, verify_prior: Optional[dict[int, float]] = None,
+    def __init__(self, gamma_max: int = GAMMA_MAX, gamma_init: int = DEFAULT_GAMMA, decay: float = 0.85,
+                 probe_every: int = 16, alpha_prior: float = 0.5, verify_prior: Optional[dict[int, float]] = None,
                  draft_prior: Optional[float] = None, prior_counts: float = PRIOR_PSEUDO_COUNTS):
         self.gamma_max = gamma_max
         self.gamma = gamma_init

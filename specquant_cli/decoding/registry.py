@@ -34,8 +34,9 @@ class DraftHost(Protocol):
         """A parent call on n tokens relative to one token (measured, or the prior shape)."""
         ...
 
-    def model_gamma(self, role: str, gamma_init: int):
-        """An adaptive γ policy for `role`'s drafts, seeded with this machine's measured costs."""
+    def model_gamma(self, role: str):
+        """An adaptive γ policy for `role`'s drafts, starting at the session's γ, seeded with this machine's
+        measured costs."""
         ...
 
 
@@ -88,7 +89,7 @@ def _suffix_then(role: str):
         from specquant_cli.decoding.drafters import FallbackDrafter
 
         return FallbackDrafter(host.drafter("suffix", target), _model(role)(host, target),
-                               activate_after=0, model_gamma=host.model_gamma(role, 4))
+                               activate_after=0, model_gamma=host.model_gamma(role))
 
     return build
 

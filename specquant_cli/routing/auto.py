@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX, best_draft_length, expected_tokens, verify_shape
+from specquant_cli.decoding.gamma import GAMMA_MAX, SUFFIX_GAMMA_MAX, best_draft_length, expected_tokens, verify_shape
 from specquant_cli.family.roles import PARENT_ROLE, STANDARD_DRAFTS
 from specquant_cli.routing.plan import Plan, PlanContext
 
@@ -30,7 +30,6 @@ DRAFT_RATIO_PRIOR = {"q4": 0.4, "q8": 0.7}  # a draft step relative to a one-tok
 COPY_GAIN = 2.5
 COPY_SCORED = 5  # tokens per parent call behind COPY_GAIN (3.3-3.6 kept + the parent's own + a miss)
 LEARN_RATE = 0.3  # weight of one measured answer in the session's estimate
-GAMMA_MAX = 8  # the longest model draft a prediction considers
 # A model draft must be predicted this much above the parent to run: the cost model uses the fastest of
 # several calibration timings, so it is optimistic by a few percent. Draft-free drafts need no margin: when nothing
 # matches they propose nothing and the cycle is a plain parent step.

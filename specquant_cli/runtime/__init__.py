@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from specquant_cli.backend.llama import Model
-from specquant_cli.decoding.engine import DEFAULT_GAMMA, Engine
+from specquant_cli.decoding.engine import Engine
 from specquant_cli.decoding.gamma import FixedGamma
 from specquant_cli.decoding.registry import register_family_drafters
 from specquant_cli.decoding.sampling import SamplingParams
@@ -23,11 +23,12 @@ from specquant_cli.family.manifest import Family
 from specquant_cli.reporting import SILENT, Reporter
 from specquant_cli.routing.plan import Plan, Planner
 from specquant_cli.routing.policies import policy_spec
-from specquant_cli.runtime.costs import ADAPTIVE_GAMMA_MAX, CostModel
+from specquant_cli.runtime.costs import CostModel
 from specquant_cli.runtime.drafters import DrafterCache
 from specquant_cli.runtime.pool import ModelPool, Models, plannable_roles
+from specquant_cli.settings import DEFAULT_GAMMA, DEFAULT_RPC_TIMEOUT_S
 
-__all__ = ["ADAPTIVE_GAMMA_MAX", "Runtime"]
+__all__ = ["Runtime"]
 
 
 class Runtime:
@@ -40,11 +41,13 @@ class Runtime:
     @classmethod
     def open(cls, family: Family, n_ctx: int = 4096, gamma: int = DEFAULT_GAMMA, threads: Optional[int] = None,
              p_min: Optional[float] = None, facts=None, kv_import: bool = True, rpc: Optional[list[str]] = None,
-             parallel: int = 1, report: Reporter = SILENT) -> Runtime:
+             parallel: int = 1, report: Reporter = SILENT, mmap: bool = False,
+             rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S) -> Runtime:
         """The runtime of `family`: registers its role drafters (a custom graded role drafts too; the one call
-        that does), nothing loaded yet. `parallel`: sequences every context holds (runtime.pool.ModelPool);
+        that does), nothing loaded yet. `parallel`, `rpc`, `rpc_timeout`, `mmap`: runtime.pool.ModelPool's;
         `report`: where calibration's progress and warnings go."""
-        pool = ModelPool(family, register_family_drafters(family.roles()), n_ctx, threads, facts, rpc, parallel)
+        pool = ModelPool(family, register_family_drafters(family.roles()), n_ctx, threads, facts, rpc, parallel,
+                         mmap, rpc_timeout)
         costs = CostModel(pool, gamma, report)
         return cls(pool, costs, DrafterCache(pool, costs, p_min, kv_import))
 

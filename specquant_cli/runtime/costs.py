@@ -6,15 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specquant_cli.decoding.engine import DEFAULT_GAMMA
-from specquant_cli.decoding.gamma import CALIBRATED_PRIOR_COUNTS, PRIOR_PSEUDO_COUNTS, AdaptiveGamma, FixedGamma
+from specquant_cli.decoding.gamma import (
+    CALIBRATED_PRIOR_COUNTS,
+    GAMMA_MAX,
+    PRIOR_PSEUDO_COUNTS,
+    AdaptiveGamma,
+    FixedGamma,
+)
 from specquant_cli.errors import InputError, ResourceError
 from specquant_cli.family.roles import PARENT_ROLE
 from specquant_cli.reporting import SILENT, Reporter
 from specquant_cli.routing.plan import Plan
 from specquant_cli.runtime.pool import Models
-
-ADAPTIVE_GAMMA_MAX = 8  # the adaptive controller's longest model draft
+from specquant_cli.settings import DEFAULT_GAMMA
 
 
 class CostModel:
@@ -106,14 +110,15 @@ class CostModel:
         c = self.calibration(measure=False)
         return c.verify_cost if c else verify_shape
 
-    def model_gamma(self, role: str, gamma_init: int) -> AdaptiveGamma:
-        """Adaptive γ for `role`'s drafts, its cost estimates seeded with the calibration when there is one."""
+    def model_gamma(self, role: str) -> AdaptiveGamma:
+        """Adaptive γ for `role`'s drafts, starting at the session's γ, its cost estimates seeded with the
+        calibration when there is one."""
         c = self.calibration(measure=False)
         prior = dict(c.parent_call_s) if c else None
         draft = c.draft_step_s.get(role) if c else None
         measured = c is not None and role in c.agreement
         alpha = min(0.95, c.agreement[role]) if measured else 0.5  # capped: 256 tokens cannot promise more
-        return AdaptiveGamma(gamma_max=max(ADAPTIVE_GAMMA_MAX, self.gamma), gamma_init=gamma_init, verify_prior=prior,
+        return AdaptiveGamma(gamma_max=max(GAMMA_MAX, self.gamma), gamma_init=self.gamma, verify_prior=prior,
                              draft_prior=draft, alpha_prior=alpha,
                              prior_counts=CALIBRATED_PRIOR_COUNTS if measured else PRIOR_PSEUDO_COUNTS)
 
@@ -123,9 +128,9 @@ class CostModel:
         if kind == "capped":
             return FixedGamma(plan.gamma_cap)  # the drafter sizes its drafts itself, up to the cap
         if kind == "calibrated":
-            return self.model_gamma(plan.drafter, self.gamma)
+            return self.model_gamma(plan.drafter)
         if kind == "adaptive":
-            return AdaptiveGamma(gamma_max=max(ADAPTIVE_GAMMA_MAX, self.gamma), gamma_init=self.gamma)
+            return AdaptiveGamma(gamma_max=max(GAMMA_MAX, self.gamma), gamma_init=self.gamma)
         return FixedGamma(0 if kind == "none" else self.gamma)
 
     def for_batch(self, batch_size: Callable[[], int]) -> BatchCosts:

@@ -72,5 +72,5 @@ class _Host:
     def verify_cost(self) -> Callable[[int], float]:
         return self.cache.costs.verify_cost()
 
-    def model_gamma(self, role: str, gamma_init: int):
-        return self.cache.costs.model_gamma(role, gamma_init)
+    def model_gamma(self, role: str):
+        return self.cache.costs.model_gamma(role)

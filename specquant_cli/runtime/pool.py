@@ -10,6 +10,7 @@ from specquant_cli.decoding.protocols import TokenContext
 from specquant_cli.errors import ResourceError
 from specquant_cli.family.manifest import Family
 from specquant_cli.family.roles import PARENT_ROLE
+from specquant_cli.settings import DEFAULT_RPC_TIMEOUT_S
 
 
 class Models(Protocol):
@@ -35,15 +36,17 @@ class Models(Protocol):
 class ModelPool:
     """`parallel`: sequences every context holds (serving.slots gives each concurrent request one), each with
     `n_ctx` positions of its own. `draft_roles`: the family's roles that draft as models
-    (decoding.registry.register_family_drafters, called once when the family is opened)."""
+    (decoding.registry.register_family_drafters, called once when the family is opened). `rpc`: the parent's
+    RPC workers, `rpc_timeout` their reply deadline in seconds; `mmap`: map model files (runtime.mmap)."""
 
     def __init__(self, family: Family, draft_roles: list[str], n_ctx: int = 4096, threads: Optional[int] = None,
-                 facts=None, rpc: Optional[list[str]] = None, parallel: int = 1):
-        from specquant_cli.system import rpc as rpc_mod
-
+                 facts=None, rpc: Optional[list[str]] = None, parallel: int = 1, mmap: bool = False,
+                 rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S):
         self.family = family
         self.draft_roles = list(draft_roles)
-        self.rpc = list(rpc) if rpc is not None else rpc_mod.configured()
+        self.rpc = list(rpc or [])
+        self.rpc_timeout = rpc_timeout
+        self.mmap = mmap
         self.n_ctx = n_ctx
         self.parallel = max(1, parallel)
         self.threads = threads
@@ -85,7 +88,7 @@ class ModelPool:
             if self.rpc and role == PARENT_ROLE:
                 model = self._remote_parent()
             else:
-                model = Model(self.family.path(role), n_gpu_layers=placement.gpu_layers.get(role, 0))
+                model = Model(self.family.path(role), n_gpu_layers=placement.gpu_layers.get(role, 0), mmap=self.mmap)
             if self._ctx:  # every model of a session must speak the same vocabulary
                 check_same_vocab(next(iter(self._ctx.values())).model, model)
             # One KV cache for all sequences (unified): with a cache per sequence llama.cpp splits a batch whose
@@ -95,7 +98,7 @@ class ModelPool:
             if self.rpc and role == PARENT_ROLE:
                 from specquant_cli.system import rpc
 
-                rpc.arm_sockets(self.rpc)  # ggml's sockets to the workers get deadlines
+                rpc.arm_sockets(self.rpc, self.rpc_timeout)  # ggml's sockets to the workers get deadlines
 
     def context(self, role: str) -> Context:
         self.ensure([role])
@@ -133,7 +136,7 @@ class ModelPool:
         rpc.install_abort_guard(self.rpc)
         workers = self._workers or rpc.probe_all(self.rpc)
         return Model(self.family.path(PARENT_ROLE), n_gpu_layers=-1, devices=rpc.devices(self.rpc),
-                     tensor_split=rpc.split_for(workers))
+                     tensor_split=rpc.split_for(workers), mmap=self.mmap)
 
     def release(self, roles: list[str]) -> None:
         """Unload `roles` (their models and contexts); a later plan that needs one loads it again."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import uvicorn
@@ -18,7 +18,8 @@ from specquant_cli.errors import InputError, ResourceError
 from specquant_cli.routing.policies import POLICIES, all_roles, check_policy, policy_spec
 from specquant_cli.serving.app import create_app
 from specquant_cli.serving.service import Service, stderr_line
-from specquant_cli.serving.slots import MAX_PARALLEL, Slots, parallel_for
+from specquant_cli.serving.slots import Slots, parallel_for
+from specquant_cli.settings import SessionSettings, Settings
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SHUTDOWN_GRACE_S = 10  # uvicorn's wait for open connections after a signal
@@ -26,55 +27,85 @@ WORKER_JOIN_S = 30
 WARM_UP_TEXT = "Warm up the router."
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeOptions:
+    """What the server runs with, every value decided (serve_settings)."""
+
     policy: str
-    policies: list[str] = field(default_factory=list)  # offered per request; empty: every registered policy
+    policies: tuple[str, ...]  # offered per request
+    parallel: int  # requests decoded together: the sequences every context holds
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: Optional[str] = None
     max_queue: int = 32
-    parallel: Optional[int] = None  # requests decoded together; None: what the calibrated cost curve says pays
     max_tokens: int = 512  # for requests that give none (clamped to what the context has left)
     max_body: int = 1 << 20
+    parallel_from: str = ""  # where `parallel` came from (a flag, a variable, the calibration, ...)
 
 
-def build_service(family, opts: ServeOptions, n_ctx: int, gamma: int, threads: Optional[int],
-                  router_config=None, report=None) -> Service:
-    """Load every role the offered policies can use (placement-checked first) and warm the router. `report`:
-    where calibration's progress and warnings go (reporting.Reporter; silent when None)."""
+def serve_settings(cfg: Settings, family, facts=None, report=None) -> tuple[Settings, ServeOptions]:
+    """`cfg` with serve's machine-decided values decided (runtime.parallel: serving.slots.parallel_for), and the
+    server's options, before any context is sized. The policies on offer default to every registered policy
+    this family has the roles for; --policy must be one of them. When a policy on offer plans from this
+    machine's costs and none are stored, they are measured first (one sequence per model, released after), so
+    that the sequences are decided by them, as at every later start; without such a policy, or with RPC
+    workers, the prior cost curve decides."""
+    policy = cfg.decoding.policy
+    offered = list(cfg.serving.policies or [])
+    if not offered:
+        have = set(family.roles())
+        offered = [p for p in POLICIES if set(all_roles([p])) <= have]
+        offered += [f"spec-{r}" for r in register_family_drafters(family.roles())
+                    if f"spec-{r}" not in offered]  # roles made by quantize --grade --role NAME
+    if policy not in offered:
+        raise InputError(f"--policy {policy} must be one of --policies ({', '.join(offered)})")
+    if cfg.runtime.parallel is None:
+        n, why = parallel_for(family, facts, cfg.runtime.threads, cfg.runtime.rpc or [])
+        if why is None and not cfg.runtime.rpc and any(policy_spec(p).planner is not None for p in offered):
+            _measure_costs(cfg, family, facts, report)
+            n, why = parallel_for(family, facts, cfg.runtime.threads, [])
+        cfg = cfg.decided("runtime.parallel", n, why or "the prior cost curve (no calibration for this machine)")
+    s, v = cfg.serving, cfg.values["runtime.parallel"]
+    return cfg, ServeOptions(policy, tuple(offered), cfg.runtime.parallel, s.host, s.port, s.api_key or None,
+                             s.queue, s.max_tokens, s.max_body, v.origin or v.source)
+
+
+def _measure_costs(cfg: Settings, family, facts, report) -> None:
     from specquant_cli.session import open_session
-    from specquant_cli.settings import SessionSettings
+
+    runtime = open_session(SessionSettings.of(cfg, parallel=1, facts=facts), family=family,
+                           **({"report": report} if report is not None else {})).runtime
+    try:
+        runtime.calibration(measure=True)
+    finally:
+        runtime.close()
+
+
+def build_service(family, cfg: Settings, opts: ServeOptions, report=None, facts=None) -> Service:
+    """Load every role the offered policies can use (placement-checked first), each context sized for the
+    `opts.parallel` sequences that will run, and warm the router. `report`: where calibration's progress and
+    warnings go (reporting.Reporter; silent when None)."""
+    from specquant_cli.session import open_session
 
     check_policy(opts.policy)
     for p in opts.policies:
         check_policy(p)
-    if not opts.policies:  # every registered policy this family has the roles for
-        have = set(family.roles())
-        opts.policies = [p for p in POLICIES if set(all_roles([p])) <= have]
-        opts.policies += [f"spec-{r}" for r in register_family_drafters(family.roles())
-                          if f"spec-{r}" not in opts.policies]  # roles made by quantize --grade --role NAME
-    if opts.policies and opts.policy not in opts.policies:
-        raise InputError(f"--policy {opts.policy} must be one of --policies ({', '.join(opts.policies)})")
-    session = open_session(SessionSettings(n_ctx=n_ctx, gamma=gamma, threads=threads, policy=opts.policy,
-                                           router_config=router_config,
-                                           parallel=MAX_PARALLEL if opts.parallel is None else opts.parallel),
-                           family=family, **({"report": report} if report is not None else {}))
+    session = open_session(SessionSettings.of(cfg, parallel=opts.parallel, facts=facts), family=family,
+                           **({"report": report} if report is not None else {}))
     runtime = session.runtime
     try:
-        roles = all_roles([opts.policy, *(opts.policies or POLICIES)])
+        roles = all_roles([opts.policy, *opts.policies])
         try:
             runtime.pool.ensure(roles)
         except ResourceError as e:
             raise ResourceError(f"{e}; offer fewer policies with --policies (their roles: {', '.join(roles)})") \
                 from None
-        for name in dict.fromkeys([opts.policy, *(opts.policies or POLICIES)]):
+        for name in dict.fromkeys([opts.policy, *opts.policies]):
             # Planning once per policy loads spaCy, and has a planner measure what it needs (once per machine),
             # now rather than during the first request.
             session.plan(WARM_UP_TEXT, name)
         if any(policy_spec(p).planner is not None for p in [opts.policy, *opts.policies]):
             runtime.load_planner_drafts()  # the drafts auto may pick (recipe roles too), not during a request
-        opts.parallel = parallel_for(runtime, opts.parallel)
         return Service(family, runtime, session, opts, Slots(runtime, opts.parallel) if opts.parallel > 1 else None)
     except BaseException:
         runtime.close()
@@ -118,7 +149,8 @@ class _Server(uvicorn.Server):
             self._svc.bound_port = port
             shown = f"[{host}]" if ":" in host else host
             self._say(f"specquant serve: listening on http://{shown}:{port} (family {self._svc.family.name}, "
-                      f"policy {self._svc.default_policy}, {self._opts.parallel} at once, "
+                      f"policy {self._svc.default_policy}, {self._opts.parallel} at once "
+                      f"({self._opts.parallel_from}), "
                       f"queue {self._opts.max_queue}, "
                       f"{'API key required' if self._svc.api_key else 'no API key'})")
 

@@ -10,7 +10,6 @@ from typing import Optional
 
 from specquant_cli.errors import SpecquantError
 from specquant_cli.family.manifest import MANIFEST
-from specquant_cli.routing.policies import POLICIES
 from specquant_cli.serving.schemas import ApiError, GenerationParams
 from specquant_cli.serving.slots import LockedRouter
 from specquant_cli.serving.worker import EngineWorker
@@ -30,7 +29,7 @@ class Service:
         self.sessions = [session] if slots is None else \
             [session.for_runtime(rt, LockedRouter(session.router, slots.route_lock())) for rt in slots.runtimes]
         self.default_policy = opts.policy
-        self.policies = opts.policies or list(POLICIES)
+        self.policies = list(opts.policies)
         self.api_key = opts.api_key or None
         self.max_tokens = opts.max_tokens
         self.max_body = opts.max_body
@@ -38,6 +37,9 @@ class Service:
         if slots is not None:
             slots.in_flight = self.worker.in_flight
         self.parent_tokens_per_s = parent_rate(runtime)  # read once: the runtime belongs to the worker thread
+        # What each loaded model's KV cache was sized for: positions for every sequence that runs, and sequences.
+        self.kv = {role: {"positions": ctx.n_ctx, "sequences": ctx.n_seq_max}
+                   for role, ctx in runtime.pool.contexts().items()}
         self.bound_port: Optional[int] = None  # the port uvicorn listens on, once it does
         self.exiting = threading.Event()  # set on SIGINT/SIGTERM: no restart after that
         self._lost = threading.Event()  # the parent is gone (first report handled)

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import Optional
 
 from specquant_cli.decoding.batch import Batcher, SeqView
 from specquant_cli.errors import ResourceError
 from specquant_cli.runtime import Runtime
 from specquant_cli.runtime.pool import ModelPool
+from specquant_cli.settings import MAX_PARALLEL
 
-MAX_PARALLEL = 8
 # Doubling the sequences decoded together must raise the parent's aggregate tokens/s by this much to be
 # worth it (each sequence's tokens come slower, and every sequence holds a KV cache).
 PARALLEL_GAIN = 1.15
@@ -133,13 +132,15 @@ class LockedRouter:
         return getattr(self._router, name)
 
 
-def parallel_for(shared: Runtime, requested: Optional[int]) -> int:
-    """--parallel as given, else what the calibrated parent curve says pays (the prior shape when this machine
-    has no calibration for the family), at most the sequences the pool's contexts hold."""
-    if requested is not None:
-        return requested
+def parallel_for(family, facts, threads: int, rpc: list[str]) -> tuple[int, str]:
+    """How many sequences to decode together when --parallel does not say, decided before any model loads: what
+    this machine's stored calibration of the family says pays (best_parallel), else what the prior cost curve
+    says (decoding.gamma.verify_shape). Returns (n, "this machine's calibration"), or (the prior's n, None)."""
     from specquant_cli.decoding.gamma import verify_shape
+    from specquant_cli.system import calibration as cal
+    from specquant_cli.system.hardware import detect
 
-    c = shared.calibration(measure=False)
-    curve = c.call_s if c is not None else verify_shape
-    return min(shared.pool.parallel, best_parallel(curve))
+    c = cal.load(family.root, cal.fingerprint(facts if facts is not None else detect(), threads, rpc))
+    if c is not None:
+        return best_parallel(c.call_s), "this machine's calibration"
+    return best_parallel(verify_shape), None

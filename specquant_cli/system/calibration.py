@@ -45,7 +45,8 @@ AGREEMENT_PROMPTS = (
 AGREEMENT_TOKENS = 64  # parent tokens per prompt
 
 def fingerprint(facts, threads: Optional[int] = None, rpc: Optional[list[str]] = None) -> dict:
-    """What a calibration depends on; a parent on RPC workers is calibrated per worker set (`rpc` endpoints)."""
+    """What a calibration depends on; a parent on RPC workers is calibrated per worker set (`rpc` endpoints).
+    `threads`: as resolved (settings: never 0); None stands for every core."""
     from importlib.metadata import version
 
     model = ""
@@ -54,9 +55,8 @@ def fingerprint(facts, threads: Optional[int] = None, rpc: Optional[list[str]] =
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
-    from specquant_cli.backend.llama import default_threads
-
-    return {"schema": SCHEMA, "cpu": model, "cores": facts.cores_logical, "threads": threads or default_threads(),
+    return {"schema": SCHEMA, "cpu": model, "cores": facts.cores_logical,
+            "threads": threads or max(1, os.cpu_count() or 1),
             "gpus": [g.name for g in facts.gpus], "gpu_offload": facts.gpu_offload,
             "llama_cpp_python": version("llama-cpp-python"), **({"rpc": sorted(rpc)} if rpc else {})}
 
@@ -405,14 +405,11 @@ def _same_machine_older(data: dict, fp: dict) -> Optional[int]:
 
 # -- where the entries live: the family folder, or the user's cache when the family cannot be written -----
 def cache_dir() -> Optional[Path]:
-    """$XDG_CACHE_HOME/specquant/calibrations (default ~/.cache); None when there is no home to put it in."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    if not base or not os.path.isabs(base):
-        try:
-            base = str(Path.home() / ".cache")
-        except (RuntimeError, KeyError):
-            return None
-    return Path(base) / "specquant" / "calibrations"
+    """The calibrations' folder in specquant's user cache (settings.cache_home); None when there is no home."""
+    from specquant_cli.settings import cache_home
+
+    home = cache_home()
+    return home / "calibrations" if home is not None else None
 
 
 def _base_sha(root: Path) -> str:

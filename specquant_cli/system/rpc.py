@@ -22,43 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
-from specquant_cli.errors import InputError, ResourceError
+from specquant_cli.errors import ResourceError
 
-ENV = "SPECQUANT_RPC"
-TIMEOUT_ENV = "SPECQUANT_RPC_TIMEOUT"
 DEFAULT_PORT = 50052
 PROBE_TIMEOUT_S = 3.0
-DEFAULT_DEADLINE_S = 300.0  # longest wait for one reply (a long prefill on a slow worker stays under it)
 PROTO_MAJOR = 7  # ggml-rpc.h RPC_PROTO_MAJOR_VERSION of the bundled llama.cpp
 CMD_GET_DEVICE_MEMORY, CMD_HELLO, CMD_DEVICE_COUNT = 11, 14, 15
 CAPS_SIZE = 24  # transport.h RPC_CONN_CAPS_SIZE
 WORKER_RESERVE = 256 << 20  # compute buffers on each worker
-
-_configured: list[str] = []
-
-
-def parse_endpoints(value: Optional[str]) -> list[str]:
-    """'HOST:PORT[,HOST:PORT…]' -> distinct endpoints; raises InputError naming the bad one."""
-    if value is None or not value.strip():
-        return []
-    out = []
-    for item in (x.strip() for x in value.split(",")):
-        host, sep, port = item.rpartition(":")
-        if not item or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InputError(f"--rpc {item!r}: expected HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT})")
-        if item not in out:
-            out.append(item)
-    return out
-
-
-def configure(endpoints: list[str]) -> None:
-    """The session's workers (set by the --rpc option / $SPECQUANT_RPC); read by the Runtime."""
-    _configured[:] = endpoints
-
-
-def configured() -> list[str]:
-    return list(_configured)
-
 
 # -- the pre-flight probe: the protocol's HELLO and memory queries, spoken by Python with deadlines --------------
 @dataclass
@@ -244,20 +215,10 @@ def install_abort_guard(endpoints: list[str]) -> None:
     _guard["cb"] = cb
 
 
-def deadline_s() -> float:
-    from specquant_cli.settings import env
-
-    raw = env(TIMEOUT_ENV)
-    try:
-        return float(raw) if raw else DEFAULT_DEADLINE_S
-    except ValueError:
-        raise InputError(f"{TIMEOUT_ENV}={raw!r}: expected seconds") from None
-
-
-def arm_sockets(endpoints: list[str], deadline: Optional[float] = None) -> int:
-    """Give this process's sockets to the workers keepalive, TCP_USER_TIMEOUT and a receive deadline (ggml
-    sets none: a silent worker would hang it forever). Returns how many sockets were armed."""
-    deadline = deadline_s() if deadline is None else deadline
+def arm_sockets(endpoints: list[str], deadline: float) -> int:
+    """Give this process's sockets to the workers keepalive, TCP_USER_TIMEOUT and a receive deadline of `deadline`
+    seconds (the runtime.rpc_timeout setting; ggml sets none: a silent worker would hang it forever). Returns how
+    many sockets were armed."""
     peers = _peers(endpoints)
     armed = 0
     for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
