@@ -129,9 +129,11 @@ class Setting:
         """Where else it can be set, for the option's help."""
         return f"env {self.env}; {CONFIG_NAME}: {self.key}"
 
-    def convert(self, raw: Any) -> Any:
-        """A value from the environment (text) or specquant.toml (TOML's types) as this setting's type, bounded
-        and checked; SettingError says why not."""
+    def convert(self, raw: Any, text: bool = True) -> Any:
+        """A value from the environment (`text`) or specquant.toml (TOML's own types: a string is no number
+        there) as this setting's type, bounded and checked; SettingError says why not."""
+        if not text and isinstance(raw, str) and self.kind not in (str, Path):
+            raise SettingError(f"expected {self.kind.__name__}, not str")
         value = _convert(self.kind, raw)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if self.lo is not None and value < self.lo:
@@ -397,7 +399,7 @@ def resolve(keys: Iterable[str], flags: Optional[Mapping[str, Any]] = None, conf
         v = Value(s.default, "default")
         if s.name in toml.get(s.branch, {}):
             try:
-                v = Value(s.convert(toml[s.branch][s.name]), "toml", str(toml_path))
+                v = Value(s.convert(toml[s.branch][s.name], text=False), "toml", str(toml_path))
             except SettingError as e:
                 raise InputError(f"{toml_path}: {s.key} = {toml[s.branch][s.name]!r}: {e}") from None
         raw = environ.get(s.env, "")

@@ -50,7 +50,7 @@ def _callback(s: Setting):
 
 
 def _option(s: Setting):
-    kw: dict = {"help": f"{s.help} [{s.where()}]", "callback": _callback(s)}
+    kw: dict = {"help": f"{s.help} ({s.where()})", "callback": _callback(s)}
     if s.shown is not None:
         kw["show_default"] = s.shown
     if s.secret:
