@@ -497,4 +497,4 @@ class SessionSettings:
                  "threads": "runtime.threads", "policy": "decoding.policy", "rpc": "runtime.rpc",
                  "parallel": "runtime.parallel", "mmap": "runtime.mmap", "rpc_timeout": "runtime.rpc_timeout"}
         kw = {f: cfg.get(k) for f, k in names.items() if k in cfg.values and cfg.get(k) is not None}
-        return cls(router_config=cfg.config, **kw, **extra)
+        return cls(**{"router_config": cfg.config, **kw, **extra})

@@ -203,3 +203,12 @@ def test_gamma_reaches_every_model_draft_length(family):
         assert fixed.draft_length() == 6
     finally:
         rt.close()
+
+
+def test_session_settings_take_the_resolved_values_and_extras_win(tmp_path):
+    from specquant_cli.settings import SessionSettings
+
+    cfg = resolve(["runtime.parallel", "runtime.ctx", "decoding.gamma", "runtime.rpc"], cwd=tmp_path,
+                  flags={"runtime.parallel": 2, "runtime.ctx": 1024})
+    s = SessionSettings.of(cfg, parallel=4, max_tokens=7)
+    assert (s.parallel, s.n_ctx, s.gamma, s.rpc, s.max_tokens) == (4, 1024, 4, [], 7)
