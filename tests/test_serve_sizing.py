@@ -39,7 +39,7 @@ def _calibrate(root, curve: dict[int, float]) -> None:
     cal.save(root, cal.fingerprint(detect(), 1, []), cal.Calibration(parent_call_s=dict(curve)))
 
 
-CASES = {"uncalibrated": (None, best_parallel(verify_shape), "prior cost curve"),
+CASES = {"uncalibrated": (None, best_parallel(verify_shape), "the prior cost curve"),
          "calibration-says-1": (LINEAR, 1, "this machine's calibration"),
          "calibration-says-8": (FLAT, 8, "this machine's calibration")}
 
