@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 DEFERRED = (signal.SIGINT, signal.SIGTERM)
@@ -35,6 +36,54 @@ def install() -> None:
     """Make SIGTERM behave like Ctrl-C. Only the main thread may install handlers."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_term)
+
+
+STALL_GRACE_S = 1.0
+_watch: dict = {}
+
+
+def watch_stalls(grace_s: float = STALL_GRACE_S) -> None:
+    """For a command whose main thread may wait inside a C call that no signal ends (llama.cpp's wait on an RPC
+    worker is a condition wait, which the kernel restarts): Ctrl-C or SIGTERM that Python has not handled within
+    `grace_s` ends the process with exit 130 and "interrupted" (the call cannot be resumed or unwound). Python's
+    handlers are wrapped to note that they ran; a handler someone installs later (a server's) turns the watch off
+    for that signal. Main thread only; once per process."""
+    if threading.current_thread() is not threading.main_thread() or _watch:
+        return
+    import os
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    handled = {s: 0 for s in DEFERRED}
+    wrappers = {}
+    for s in DEFERRED:
+        inner = signal.getsignal(s)
+        if not callable(inner):
+            continue
+
+        def wrapper(signum, frame, inner=inner):
+            handled[signum] += 1
+            return inner(signum, frame)
+
+        wrappers[s] = wrapper
+        signal.signal(s, wrapper)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    _watch.update(pipe=(r, w), wrappers=wrappers)
+
+    def watch() -> None:
+        while True:
+            try:
+                data = os.read(r, 64)
+            except OSError:
+                return
+            for signum in {b for b in data if b in wrappers}:
+                seen = handled[signum]
+                time.sleep(grace_s)
+                if handled[signum] == seen and signal.getsignal(signum) is wrappers[signum]:
+                    os.write(2, b"interrupted\n")
+                    os._exit(130)
+
+    threading.Thread(target=watch, name="specquant-signal-watch", daemon=True).start()
 
 
 @contextlib.contextmanager

@@ -32,9 +32,11 @@ DEFAULT_RPC_TIMEOUT_S = 300.0  # longest wait for one RPC reply (a long prefill 
 MAX_RPC_TIMEOUT_S = 86400.0
 SOURCES = ("default", "toml", "env", "flag", "machine")
 
+SELFTEST_CHILD_ENV = "SPECQUANT_SELFTEST_CHILD"  # set in the self-test's child: it never starts a self-test itself
+SELFTEST_FAULT_ENV = "SPECQUANT_SELFTEST_FAULT"  # fault injection for tests: TYPE:SIGNAME kills the child at TYPE
 INTERNAL_ENV = {  # variables the package sets for its own child processes; no user setting
-    "SPECQUANT_SELFTEST_CHILD": "set in the build self-test's child processes",
-    "SPECQUANT_SELFTEST_FAULT": "a fault the self-test's tests inject",
+    SELFTEST_CHILD_ENV: "set in the build self-test's child processes",
+    SELFTEST_FAULT_ENV: "a fault the self-test's tests inject",
 }
 
 
@@ -70,7 +72,24 @@ def check_rpc(value: Any) -> list[str]:
             raise SettingError(f"{item!r}: expected HOST:PORT[,HOST:PORT…] (e.g. 127.0.0.1:50052)")
         if item not in out:
             out.append(item)
+    seen: dict[tuple[str, int], str] = {}
+    for item in out:  # one worker under two names would be two connections to a server that takes one: a hang
+        host, _, port = item.rpartition(":")
+        addr = (_resolve(host.strip("[]")), int(port))
+        if addr in seen:
+            raise SettingError(f"{seen[addr]} and {item} name one worker ({addr[0]}:{addr[1]}); give each once")
+        seen[addr] = item
     return out
+
+
+def _resolve(host: str) -> str:
+    """The IPv4 address `host` names (ggml's RPC client resolves the same way), or `host` when it resolves to none."""
+    import socket
+
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError, IndexError):
+        return host
 
 
 def check_policy(name: str) -> str:
@@ -212,6 +231,30 @@ def _policies(value: Any) -> list[str]:
     return [check_policy(n) for n in names]
 
 
+def _names(value: Any) -> list[str]:
+    items = value if isinstance(value, list) else str(value).split(",")
+    names = list(dict.fromkeys(str(x).strip().lower() for x in items if str(x).strip()))
+    if not names:
+        raise SettingError("no name given")
+    for n in names:
+        if n != "*" and (not n.isascii() or any(c in n for c in "/:@ \t[]") or n.startswith(".")):
+            raise SettingError(f"{n!r} is not a host name")
+    return names
+
+
+def _origins(value: Any) -> list[str]:
+    from specquant_cli.serving.security import normal_origin
+
+    items = value if isinstance(value, list) else str(value).split(",")
+    origins = list(dict.fromkeys(str(x).strip() for x in items if str(x).strip()))
+    if not origins:
+        raise SettingError("no origin given")
+    for o in origins:
+        if o != "*" and normal_origin(o) is None:
+            raise SettingError(f"{o!r} is not an origin (scheme://host[:port], e.g. http://localhost:3000)")
+    return [o if o == "*" else normal_origin(o) for o in origins]
+
+
 def _declare() -> dict[str, Setting]:
     from specquant_cli.routing.policies import DEFAULT_POLICY, policy_help
 
@@ -258,6 +301,12 @@ def _declare() -> dict[str, Setting]:
                 lo=1024, hi=1 << 30),
         Setting("serving", "max_tokens", int, 512, "New tokens for a request that sets no max_tokens",
                 "--max-tokens", lo=1),
+        Setting("serving", "allow_host", str, None, "More names the Host header may carry, comma-separated "
+                "(always allowed: IP addresses, localhost, the bound address; *: any name)", "--allow-host",
+                check=_names, optional=True, shown="none"),
+        Setting("serving", "cors_origin", str, None, "Origins whose web pages may call the API, comma-separated "
+                "(e.g. http://localhost:3000; *: any); the server's own chat page needs none", "--cors-origin",
+                check=_origins, optional=True, shown="none"),
         Setting("serving", "policies", str, None, "Comma-separated policies a request may choose (default: all "
                 "the family can run); every model they can use is loaded at start-up", "--policies",
                 check=_policies, optional=True, shown="all", usage=False),

@@ -85,10 +85,10 @@ def test_context_overflow_is_refused_before_decoding():
 
 def test_interrupt_ends_with_what_was_produced():
     class Interrupting(ScriptedDrafter):
-        def propose(self, seq, n, sp=None, rng=None):
+        def propose(self, seq, n, sp=None, uniforms=None):
             if self.calls == 2:
                 raise KeyboardInterrupt
-            return super().propose(seq, n, sp, rng)
+            return super().propose(seq, n, sp, uniforms)
 
     eng, ctx = make(Interrupting([[1, 2], [3, 4], [5]]), gamma=2)
     recs = list(stream_generate(eng, [0], 20))

@@ -6,7 +6,7 @@ import pytest
 from specquant_cli.decoding.drafters import NGramDrafter
 from specquant_cli.decoding.engine import Engine
 from specquant_cli.decoding.gamma import FixedGamma
-from specquant_cli.decoding.sampling import SamplingParams, probs, speculative_verify
+from specquant_cli.decoding.sampling import SamplingParams, Uniforms, coupled_verify, probs, sample
 
 from fakes import FakeContext, FakeModel
 
@@ -25,32 +25,57 @@ def chi2_stat(counts, p):
 
 
 def sampled_first_tokens(verify, n=20000, seed=0):
+    """The first token kept after a one-token draft sampled from q, over n seeds: its counts, and p."""
     sp = SamplingParams(temperature=1.0)
     p = probs(P_LOGITS, sp)
     q = probs(Q_LOGITS, sp)
-    rng = np.random.default_rng(seed)
     counts = np.zeros(5)
-    for _ in range(n):
-        d = int(rng.choice(5, p=q))
-        k, nxt = verify(lambda j: p, [q], [d], rng)
+    for s in range(n):
+        u = Uniforms(seed * n + s)
+        d = sample(q, u.at(0))  # the draft samples its token with the parent's number (coupled)
+        k, nxt = verify(lambda j: p, [d], u.at)
         counts[d if k == 1 else nxt] += 1
     return counts, p
 
 
-def test_speculative_sampling_matches_parent_distribution():
-    counts, p = sampled_first_tokens(speculative_verify)
+def test_coupled_sampling_matches_parent_distribution():
+    counts, p = sampled_first_tokens(coupled_verify)
     assert chi2_stat(counts, p) < 18.47  # chi-square, 4 dof, p = 0.001
 
 
-def test_fidelity_test_catches_a_wrong_residual():
-    def resample_from_p(p_rows, q_rows, draft, rng):  # common bug: on rejection sample p, not p - q
-        p, q, d = p_rows(0), q_rows[0], draft[0]
-        if rng.random() < min(1.0, p[d] / q[d]):
-            return 1, None
-        return 0, int(rng.choice(len(p), p=p))
+def test_fidelity_test_catches_a_wrong_rule():
+    def keep_every_draft(p_rows, draft, u):  # a broken verifier: whatever the draft says
+        return len(draft), sample(p_rows(len(draft)), u(len(draft)))
 
-    counts, p = sampled_first_tokens(resample_from_p)
+    counts, p = sampled_first_tokens(keep_every_draft)
     assert chi2_stat(counts, p) > 18.47
+
+
+def test_a_coupled_draft_is_kept_as_often_as_it_agrees_with_the_parent():
+    """With the same number for both, a draft from q equals the parent's sample from p far more often than two
+    independent samples would (sum p*q): the acceptance of coupled sampling."""
+    counts, p = np.zeros(2), probs(P_LOGITS, SamplingParams(temperature=1.0))
+    q = probs(Q_LOGITS, SamplingParams(temperature=1.0))
+    for s in range(5000):
+        u = Uniforms(s)
+        k, _ = coupled_verify(lambda j: p, [sample(q, u.at(0))], u.at)
+        counts[k] += 1
+    assert counts[1] / counts.sum() > float((p * q).sum()) + 0.05
+
+
+def test_a_seeded_answer_is_the_same_whatever_drafts():
+    """The token at a position is the parent's sample with that position's number: a seeded answer does not
+    depend on the drafter (none, n-gram, a model), nor on what it proposed before."""
+    fn = lambda toks: np.log(np.linspace(1, 2, V) / np.linspace(1, 2, V).sum())  # noqa: E731
+    from specquant_cli.decoding.drafters import ModelDrafter
+
+    outs = set()
+    for drafter in (None, NGramDrafter(), ModelDrafter(FakeContext(FakeModel(V, 99), lambda t: np.zeros(V)),
+                                                       stop_ids=frozenset({99}))):
+        ctx = FakeContext(FakeModel(V, EOG), fn)
+        eng = Engine(ctx, drafter, FixedGamma(3 if drafter else 0), SamplingParams(temperature=0.9, seed=7))
+        outs.add(tuple(e.token for e in eng.generate([1, 2, 3], 16)))
+    assert len(outs) == 1
 
 
 def test_engine_sampling_two_tokens_follow_the_parent():

@@ -9,7 +9,9 @@ from __future__ import annotations
 import codecs
 import contextlib
 import ctypes
+import errno
 import os
+import secrets
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -38,12 +40,20 @@ def init_backend() -> None:
 
     @llama_cpp.llama_log_callback
     def cb(level, text, user_data):  # noqa: ARG001
+        global _log_file
         f = _log_file
         if f is not None:
             try:
                 f.write(text.decode("utf-8", "replace"))
+                f.flush()
+            except BlockingIOError:  # a pipe nobody drains: this line is dropped, the process goes on
+                pass
             except ValueError:  # file closed
                 pass
+            except OSError as e:  # a full disk, a reader gone: one warning, and the log stops
+                _log_file = None
+                _status(f"warning: llama.cpp's log stopped: cannot write to {getattr(f, 'name', 'it')} "
+                        f"({e.strerror or e})")
 
     _log_cb = cb
     llama_cpp.llama_log_set(_log_cb, ctypes.c_void_p(0))
@@ -69,17 +79,48 @@ def llama_log_to(path: Optional[Path]) -> Iterator[None]:
                 f.close()
 
 
+def log_target_problem(path: Path) -> Optional[str]:
+    """Why llama.cpp's log may not go to `path`, or None: never into a family folder (a folder with a manifest)
+    nor onto a model file (a GGUF), which appending would destroy."""
+    from specquant_cli.family.manifest import MANIFEST, RESERVED
+
+    p = Path(os.path.abspath(path))
+    real = Path(os.path.realpath(p))
+    for candidate in dict.fromkeys([p, real]):
+        if candidate.name in RESERVED or candidate.suffix.lower() in (".gguf", ".part"):
+            return f"{candidate.name} is a family's file"
+        if (candidate.parent / MANIFEST).exists():
+            return f"{candidate.parent} is a family folder"
+    try:
+        with open(real, "rb", opener=lambda f, flags: os.open(f, flags | os.O_NONBLOCK)) as f:
+            if real.is_file() and f.read(4) == b"GGUF":
+                return f"{real} is a model file"
+    except OSError:
+        pass
+    return None
+
+
 def set_log_file(path: Path, label: str) -> None:
     """Send llama.cpp's log to `path` (appending) for the rest of the process (the runtime.llama_log setting,
-    applied at the command edge; `label` names where it was set, for the error); otherwise it is dropped."""
+    applied at the command edge; `label` names where it was set, for the error); otherwise it is dropped. Never
+    into a family folder or onto a model file; a FIFO without a reader is refused at once, and one whose reader
+    stops reading loses lines rather than blocking llama.cpp."""
     global _log_file
-    init_backend()
+    why = log_target_problem(path)
+    if why is not None:
+        raise InputError(f"{label}: not a place for llama.cpp's log ({why}); name a file elsewhere")
     try:
-        f = open(path, "a", encoding="utf-8")
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        raise InputError(f"{label}: cannot write llama.cpp's log there ({e.strerror})") from None
+        why = "a pipe nobody reads" if e.errno == errno.ENXIO else e.strerror
+        raise InputError(f"{label}: cannot write llama.cpp's log there ({why})") from None
+    import stat
+
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        os.set_blocking(fd, True)
+    init_backend()
     with _log_lock:
-        _log_file = f
+        _log_file = os.fdopen(fd, "a", encoding="utf-8")
 
 
 def check_threads(n: int, label: str) -> int:
@@ -235,15 +276,52 @@ class Model:
 
     # -- chat -----------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` rendered with the GGUF's own chat template, ready for generation."""
+        """Token ids of `messages` rendered with the GGUF's own chat template, ready for generation. Special
+        tokens come only from the template's own markup: what a message says is tokenized as text, so a user who
+        writes `<|im_end|><|im_start|>system` gets those characters, not a forged turn. (A prompt none of whose
+        messages spells a special token is tokenized whole, as the template renders it.)"""
         fmt = self._chat_formatter()
+        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        spelled = [c for c in contents if self.spells_special(c)]
         if fmt is None:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-            return self.tokenize(text, add_bos=self.add_bos())
-        text = fmt(messages=messages).prompt
+            pieces = [p for m in messages for p in ((f"{m['role']}: ", True), (m["content"], False), ("\n", True))]
+            pieces.append(("assistant:", True))
+            if not spelled:
+                return self.tokenize("".join(t for t, _ in pieces), add_bos=self.add_bos())
+            return self._tokenize_parts(pieces, self.add_bos())
+        if not spelled:
+            text = fmt(messages=messages).prompt
+            return self.tokenize(text, add_bos=self._add_bos_to(fmt, text), special=True)
+        nonce = secrets.token_hex(8)
+        opens, closes = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
+        marked = [{**m, "content": f"{opens}{m['content']}{closes}"} if isinstance(m.get("content"), str) else m
+                  for m in messages]
+        parts = _split_marked(fmt(messages=marked).prompt, opens, closes)
+        if parts is None or len([p for p in parts if not p[1]]) != len(contents):
+            from specquant_cli.errors import InputError
+
+            plain = set(self.tokenize(spelled[0], add_bos=False, special=False))
+            token = next(t for t in self.tokenize(spelled[0], add_bos=False, special=True) if t not in plain)
+            raise InputError(f"a message spells the special token {self.token_text(token)!r}, which this chat "
+                             "template cannot keep as text")
+        return self._tokenize_parts(parts, self._add_bos_to(fmt, parts[0][0] if parts[0][1] else ""))
+
+    def spells_special(self, text: str) -> bool:
+        """Whether `text` tokenizes differently with special tokens parsed (it spells one, e.g. `<|im_end|>`)."""
+        return self.tokenize(text, add_bos=False, special=True) != self.tokenize(text, add_bos=False, special=False)
+
+    def _add_bos_to(self, fmt, text: str) -> bool:
+        """Whether BOS goes before a rendered prompt starting with `text` (not when the template wrote it)."""
         bos_text = fmt.bos_token
-        add_bos = self.add_bos() and not (bos_text and text.startswith(bos_text))
-        return self.tokenize(text, add_bos=add_bos, special=True)
+        return self.add_bos() and not (bos_text and text.startswith(bos_text))
+
+    def _tokenize_parts(self, parts: list[tuple[str, bool]], add_bos: bool) -> list[int]:
+        """Concatenated token ids of (text, is_markup) parts: markup with special tokens parsed, content as text."""
+        out: list[int] = self.tokenize("", add_bos=True) if add_bos else []
+        for text, markup in parts:
+            if text:
+                out += self.tokenize(text, add_bos=False, special=markup)
+        return out
 
     def _chat_formatter(self):
         """llama-cpp-python's Jinja formatter over the GGUF's template, compiled once per model."""
@@ -269,6 +347,25 @@ class Model:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _split_marked(text: str, opens: str, closes: str) -> Optional[list[tuple[str, bool]]]:
+    """`text` as (part, is_markup) parts, a message content being what stands between `opens` and `closes`;
+    None when the marks do not pair up (the template moved or cut a content)."""
+    parts: list[tuple[str, bool]] = []
+    rest = text
+    while True:
+        i = rest.find(opens)
+        if i < 0:
+            if closes in rest:
+                return None
+            parts.append((rest, True))
+            return parts
+        j = rest.find(closes, i + len(opens))
+        if j < 0 or closes in rest[:i] or opens in rest[i + len(opens):j]:
+            return None
+        parts += [(rest[:i], True), (rest[i + len(opens):j], False)]
+        rest = rest[j + len(closes):]
 
 
 def common_prefix(cached: Sequence[int], tokens: Sequence[int]) -> int:

@@ -29,15 +29,18 @@ from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import LlamaError
-from specquant_cli.settings import env
+from specquant_cli.settings import SELFTEST_CHILD_ENV, SELFTEST_FAULT_ENV, env
 
 TYPES = ("f16", "bf16", "q4_0", "q4_k", "q8_0")  # every weight type the families' roles use
 FTYPES = {"f16": "LLAMA_FTYPE_MOSTLY_F16", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
            "q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
 SCHEMA = 1
 TIMEOUT_S = 180.0
-CHILD_ENV = "SPECQUANT_SELFTEST_CHILD"  # set in the child: it never starts a self-test of its own
-FAULT_ENV = "SPECQUANT_SELFTEST_FAULT"  # fault injection for tests: TYPE:SIGNAME kills the child at TYPE
+# The deaths that say something about the build on this CPU; any other signal (SIGKILL from the OOM killer or a
+# supervisor, SIGTERM, SIGINT, ...) says the test could not run, and condemns nothing.
+FAULTS = frozenset({"SIGILL", "SIGSEGV", "SIGBUS", "SIGFPE"})
+RETEST = "specquant doctor --selftest"
+CHILD_ENV, FAULT_ENV = SELFTEST_CHILD_ENV, SELFTEST_FAULT_ENV  # declared in settings
 REBUILD_HINT = ("rebuild llama-cpp-python for this CPU: ./scripts/test.sh does (its wheel cache is keyed by CPU), "
                 "or CMAKE_ARGS='-DGGML_RPC=ON' CFLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
                 "CXXFLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' pip install --force-reinstall --no-cache-dir "
@@ -121,11 +124,17 @@ def cached(k: Optional[str] = None) -> Optional[Result]:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
         return None
     e = data["entries"].get(k)
-    if not _valid_entry(e):
-        return None
+    if not _valid_entry(e) or (not e["ok"] and not any(_condemns(v) for v in e["types"].values())):
+        return None  # a failure that says nothing about the build (an older version cached SIGKILL) is no verdict
     return Result(key=k, ok=e["ok"], types=dict(e["types"]), error=e.get("error"),
                   seconds=float(e.get("seconds", 0)) if isinstance(e.get("seconds"), (int, float)) else 0.0,
                   at=str(e.get("at", "")))
+
+
+def _condemns(outcome: object) -> bool:
+    """Whether a type's recorded outcome says the build cannot run here: a fault signal, or bad logits."""
+    return isinstance(outcome, str) and (outcome.startswith("bad logits") or
+                                         outcome in {f"died of {name}" for name in FAULTS})
 
 
 def _store(r: Result) -> None:
@@ -162,7 +171,7 @@ def _death_line(t: str, sig: int) -> str:
     what = {"SIGILL": "an instruction this CPU cannot run", "SIGSEGV": "a memory fault",
             "SIGBUS": "a bus error", "SIGFPE": "an arithmetic fault"}.get(_signal_name(sig), "a fatal signal")
     return (f"this llama.cpp build cannot run on this CPU: it died of {_signal_name(sig)} ({what}) decoding a "
-            f"{t.upper()} model in its self-test; {REBUILD_HINT}")
+            f"{t.upper()} model in its self-test; {REBUILD_HINT}; then {RETEST} tests it again")
 
 
 def _run_child(types: list[str], deadline: float) -> tuple[list[str], Optional[int], str]:
@@ -207,16 +216,22 @@ def run(types: tuple[str, ...] = TYPES, on_type: Optional[Callable[[str, str], N
             results[t], definitive = f"no answer within {TIMEOUT_S:.0f} s", False
             error = error or f"the llama.cpp self-test did not finish within {TIMEOUT_S:.0f} s (at {t.upper()})"
             todo = []
-        elif rc < 0:
+        elif rc < 0 and _signal_name(-rc) in FAULTS:
             results[t] = f"died of {_signal_name(-rc)}"
             error = error or _death_line(t, -rc)
+        elif rc < 0:  # killed from outside: nothing learned about the build
+            results[t], definitive = f"killed by {_signal_name(-rc)}", False
+            error = error or (f"the llama.cpp self-test could not run: its child was killed by {_signal_name(-rc)} "
+                              f"at {t.upper()} (out of memory, or stopped from outside); {RETEST} tests again")
+            todo = []
         else:
             results[t] = last or f"exit code {rc}"
             bad = last.startswith("bad logits")
             definitive = definitive and bad
             error = error or (f"this llama.cpp build gives wrong results on this CPU ({t.upper()}: {last}); "
-                              f"{REBUILD_HINT}" if bad else f"the llama.cpp self-test could not run ({t.upper()}: "
-                              f"{last or f'exit code {rc}'})")
+                              f"{REBUILD_HINT}; then {RETEST} tests it again" if bad else
+                              f"the llama.cpp self-test could not run ({t.upper()}: {last or f'exit code {rc}'}); "
+                              f"{RETEST} tests again")
         on_type and on_type(t, results[t])
     r = Result(key=k, ok=error is None, types=results, error=error, definitive=definitive,
                seconds=round(time.monotonic() - start, 2), at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))

@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import with_settings
+from specquant_cli.commands.options import finite, with_settings
 from specquant_cli.console import err
 from specquant_cli.errors import InputError, ResourceError
 from specquant_cli.settings import Settings
@@ -24,6 +24,7 @@ HELP = ("Serve this machine's CPU to a specquant parent elsewhere (llama.cpp RPC
         "--allow-remote, and only on a trusted network (or behind an SSH tunnel / WireGuard).")
 _MEM_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
 _keep: list = []  # ctypes callbacks ggml holds
+MAX_MEM_GIB = float(1 << 20)  # 1 PiB: more is no memory anyone has (and overflows ggml's size_t)
 
 
 def register(app: typer.Typer) -> None:
@@ -34,41 +35,51 @@ def register(app: typer.Typer) -> None:
 def worker(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless --allow-remote)"),
     port: int = typer.Option(DEFAULT_PORT, "--port", min=1, max=65535, help="TCP port"),
-    mem: Optional[float] = typer.Option(None, "--mem", min=0.01, help="GiB of memory offered (default: available RAM)"),
+    mem: Optional[float] = typer.Option(None, "--mem", min=0.01, max=MAX_MEM_GIB, callback=finite,
+                                        help="GiB of memory offered (default: available RAM)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Keep received tensors here (faster reloads)"),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow a non-loopback --host (no auth!)"),
     *, cfg: Settings,
 ) -> None:
     from specquant_cli import interrupts
+    from specquant_cli.system.rpc_front import Front, free_loopback_port
 
-    _check_host(host, allow_remote)
-    _check_port(host, port)
+    address = _check_host(host, allow_remote)
+    listener = _listen(address, host, port)
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
     dev = _cpu_device(mem)
-    endpoint = f"{host}:{port}"
+    backend = f"127.0.0.1:{free_loopback_port()}"  # ggml's server, behind the front (system.rpc_front)
     done = threading.Event()
     sys.stdout.flush()
     os.dup2(2, 1)  # ggml's server prints its log with printf: keep it on stderr
-    t = threading.Thread(target=_serve, args=(endpoint, cache_dir, cfg.runtime.threads, dev, done), daemon=True)
+    t = threading.Thread(target=_serve, args=(backend, cache_dir, cfg.runtime.threads, dev, done), daemon=True)
     t.start()
+    front = Front(listener, int(backend.rsplit(":", 1)[1]), lambda line: err.print(line, markup=False))
+    threading.Thread(target=front.serve, name="specquant-rpc-front", daemon=True).start()
     try:  # SIGTERM (interrupts.Terminated) is a clean stop from here on: exit 0
         free, total = _memory(dev)
-        err.print(f"worker: serving {endpoint} (ggml RPC), offering {free / 2**30:.2f} GiB of "
+        err.print(f"worker: serving {host}:{port} (ggml RPC), offering {free / 2**30:.2f} GiB of "
                   f"{total / 2**30:.2f} GiB; Ctrl-C stops", markup=False)
         while not done.wait(0.5):
             pass
     except interrupts.Terminated:
         err.print("worker: stopped", markup=False)
         return
-    raise ResourceError(f"the RPC server on {endpoint} stopped (see the lines above)")
+    finally:
+        front.stop.set()
+        listener.close()
+    raise ResourceError(f"the RPC server behind {host}:{port} stopped (see the lines above)")
 
 
-def _check_host(host: str, allow_remote: bool) -> None:
+def _check_host(host: str, allow_remote: bool) -> str:
+    """The IPv4 address to bind for --host (a name is resolved: `localhost` works), after the exposure check."""
     try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
+        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError, IndexError):
+        raise InputError(f"--host {host}: not an address of this machine (the RPC worker listens on IPv4)") \
+            from None
+    loopback = ipaddress.ip_address(address).is_loopback
     if not loopback and not allow_remote:
         raise InputError(f"--host {host} would expose this machine to the network: the RPC protocol has no "
                          "authentication or encryption; pass --allow-remote to do it anyway (trusted network only)")
@@ -76,15 +87,19 @@ def _check_host(host: str, allow_remote: bool) -> None:
         err.print(f"warning: serving {host} without authentication or encryption: anyone who can reach this port "
                   "can run code-sized workloads and read or write this worker's memory; use only on a trusted "
                   "network (or behind an SSH tunnel / WireGuard)", markup=False)
+    return address
 
 
-def _check_port(host: str, port: int) -> None:
+def _listen(address: str, host: str, port: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((address, port))
+        s.listen(16)
     except OSError as e:
+        s.close()
         raise InputError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+    return s
 
 
 def _lib():

@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from specquant_cli.decoding.protocols import CycleOutcome, Draft, Prepared, TokenContext
-from specquant_cli.decoding.sampling import SamplingParams, greedy_token, probs, sample
+from specquant_cli.decoding.sampling import SamplingParams, Uniforms, greedy_token, probs, sample
 
 # A model drafter imports the parent's KV cache instead of decoding when it lacks more than this many
 # prompt tokens: an import costs about as much as decoding a handful of tokens (709 tokens: 87 ms).
@@ -45,7 +45,7 @@ class NGramDrafter(DrafterBase):
         self.sizes = sorted(set(int(n) for n in ngram_sizes), reverse=True)
         self.min_tokens = min_tokens
 
-    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams = None, rng=None) -> Draft:
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams = None, uniforms=None) -> Draft:
         if n <= 0:
             return Draft()
         arr = np.asarray(seq, dtype=np.int64)
@@ -112,14 +112,14 @@ class ModelDrafter(DrafterBase):
         self.import_ok = ok
         return ok
 
-    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft:
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, uniforms: Uniforms) -> Draft:
         if n <= 0:
             return Draft()
         ctx = self.ctx
         if self.start >= len(seq):  # a new, shorter sequence without prepare()
             self.start = 0
         ctx.sync(seq[self.start:])
-        out, qs = [], []
+        out = []
         for i in range(n):
             row = ctx.logits(-1)
             if sp.greedy:
@@ -128,15 +128,14 @@ class ModelDrafter(DrafterBase):
                     break
             else:
                 q = probs(row, sp)
-                t = sample(q, rng)
+                t = sample(q, uniforms.at(len(seq) + i))  # the parent's number for this position: coupled
                 if self.p_min is not None and float(q.max()) < self.p_min:
                     break
-                qs.append(q)
             out.append(t)
             if t in self.stop_ids or i == n - 1:
                 break  # the last drafted token is decoded lazily, by the next sync, only if it is kept
             ctx.decode([t], logits="last")
-        return Draft(out, qs if not sp.greedy else None)
+        return Draft(out)
 
 
 def _top_prob(row: np.ndarray, top: int) -> float:
@@ -175,8 +174,8 @@ class FallbackDrafter(DrafterBase):
         self.first.prepare(seq)
         return self.then.prepare(seq) if self._active else None
 
-    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, rng: np.random.Generator) -> Draft:
-        d = self.first.propose(seq, n, sp, rng)
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, uniforms: Uniforms) -> Draft:
+        d = self.first.propose(seq, n, sp, uniforms)
         self._last = "first"
         if len(d.tokens) >= min(self.min_tokens, n) or len(seq) - self._prompt_len < self.activate_after:
             return d
@@ -187,7 +186,7 @@ class FallbackDrafter(DrafterBase):
         if not self._active:
             self.then.prepare(seq)
             self._active = True
-        return self.then.propose(seq, g, sp, rng)
+        return self.then.propose(seq, g, sp, uniforms)
 
     @property
     def source(self) -> str:

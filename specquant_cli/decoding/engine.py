@@ -56,8 +56,8 @@ class Engine:
         self.drafter = drafter
         self.gamma_policy = gamma if gamma is not None else FixedGamma(DEFAULT_GAMMA if drafter else 0)
         self.sp = sampling
-        self.rng = sampling.rng()
-        self.verifier = verifier or LinearVerifier(sampling, self.rng)
+        self.uniforms = sampling.uniforms()
+        self.verifier = verifier or LinearVerifier(sampling, self.uniforms)
         self.stats = EngineStats()
         self.eog_ids = parent.model.eog_ids
 
@@ -118,7 +118,7 @@ class Engine:
         if g <= 0:
             return Draft(), 0.0, "parent"
         t0 = time.perf_counter()
-        draft = self.drafter.propose(seq, g, self.sp, self.rng)
+        draft = self.drafter.propose(seq, g, self.sp, self.uniforms)
         dt = time.perf_counter() - t0
         self.stats.draft_s += dt
         self.stats.drafted += len(draft.tokens)

@@ -50,9 +50,6 @@ class TokenContext(Protocol):
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
-    # One distribution per token when a model *sampled* the draft; None for greedy or deterministic drafts
-    # (the verifier then treats each token as proposed with probability 1).
-    q: Optional[list[np.ndarray]] = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +90,11 @@ class Drafter(Protocol):
 
     def prepare(self, seq: Sequence[int]) -> Optional[Prepared]: ...
 
-    def propose(self, seq: Sequence[int], n: int, sp, rng: np.random.Generator) -> Draft: ...
+    def propose(self, seq: Sequence[int], n: int, sp, uniforms) -> Draft:
+        """Up to n tokens after `seq`. A drafter that samples (sp not greedy) draws its i-th token with
+        `uniforms.at(len(seq) + i)` (decoding.sampling.Uniforms), the number the parent samples that position
+        with."""
+        ...
 
     def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None: ...
 

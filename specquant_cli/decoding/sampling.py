@@ -1,11 +1,16 @@
-"""Greedy / temperature / top-k / top-p, and the speculative acceptance rules.
+"""Greedy / temperature / top-k / top-p, and the acceptance rules.
 
-The same `probs` transform is applied to the parent's logits (p) and the draft's (q), which is what makes
-speculative sampling lossless: accept a drafted token with probability min(1, p/q), otherwise sample from
-normalize(max(0, p - q)); after a full accept the bonus token comes from p."""
+Sampling is keyed by position: the token at sequence position t is the inverse-CDF sample of the parent's
+distribution p_t at the uniform number `Uniforms.at(t)`, which depends only on the seed and t. Verifying a
+sampled draft is then plain: a drafted token is kept when it is the token the parent samples there
+(`coupled_verify`). The answer is exactly the parent's own sampled answer for that seed — the same under
+every policy, whichever tokens a drafter proposed (or none), and however many numbers were drawn before. A
+model draft samples its tokens from q with the same numbers, so where q is close to p it proposes the token
+the parent will sample (coupled sampling)."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -30,8 +35,19 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def rng(self) -> np.random.Generator:
-        return np.random.default_rng(self.seed)
+    def uniforms(self) -> Uniforms:
+        """The numbers an answer is sampled with: this seed's, or a fresh random seed's."""
+        return Uniforms(self.seed if self.seed is not None else secrets.randbits(64))
+
+
+@dataclass(frozen=True)
+class Uniforms:
+    """One uniform number in [0, 1) per sequence position, from the seed and the position alone."""
+
+    seed: int
+
+    def at(self, position: int) -> float:
+        return float(np.random.default_rng((self.seed, position)).random())
 
 
 GREEDY = SamplingParams()
@@ -72,9 +88,10 @@ def probs(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
     return e / e.sum()
 
 
-def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+def sample(p: np.ndarray, u: float) -> int:
+    """The inverse-CDF sample of `p` at the uniform number `u` (a token of non-zero probability)."""
     c = np.cumsum(p)
-    return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), p.shape[0] - 1))
+    return int(min(np.searchsorted(c, u * c[-1], side="right"), p.shape[0] - 1))
 
 
 def greedy_verify(parent_argmax, draft: Sequence[int]) -> tuple[int, int]:
@@ -89,23 +106,13 @@ def greedy_verify(parent_argmax, draft: Sequence[int]) -> tuple[int, int]:
     return len(draft), parent_argmax(len(draft))
 
 
-def speculative_verify(p_rows, q_rows: Sequence[np.ndarray], draft: Sequence[int],
-                       rng: np.random.Generator) -> tuple[int, int]:
-    """(accepted count, next token) by speculative sampling. `p_rows(j)` is the parent's distribution
-    after j drafted tokens; q_rows[j] the draft's distribution it sampled draft[j] from."""
+def coupled_verify(p_rows, draft: Sequence[int], u) -> tuple[int, int]:
+    """(accepted count, next token) when sampling: the parent samples each position (`p_rows(j)`, its
+    distribution after j drafted tokens, at the uniform number `u(j)`); a drafted token is kept while it is the
+    parent's sample, and the first sample that differs (or the one after a full accept) is the next token.
+    The tokens are the parent's samples whatever was drafted: exactly its distribution, and its answer."""
     for j, d in enumerate(draft):
-        p, q = p_rows(j), q_rows[j]
-        if q[d] > 0 and rng.random() < min(1.0, p[d] / q[d]):
-            continue
-        residual = np.maximum(p - q, 0.0)
-        total = residual.sum()
-        # Why fall back to p: the residual is all zero only when p == q (up to rounding), and then a
-        # rejection has probability ~0 anyway; sampling p keeps the output distribution p.
-        return j, sample(residual / total if total > 0 else p, rng)
-    return len(draft), sample(p_rows(len(draft)), rng)
-
-
-def one_hot(n: int, token: int) -> np.ndarray:
-    q = np.zeros(n)
-    q[token] = 1.0
-    return q
+        t = sample(p_rows(j), u(j))
+        if t != d:
+            return j, t
+    return len(draft), sample(p_rows(len(draft)), u(len(draft)))

@@ -130,7 +130,7 @@ class SuffixDrafter(DrafterBase):
         return best_draft_length(lambda gamma: expected_tokens(alpha, gamma) / self.verify_cost(gamma + 1),
                                  min(n, available))[0]
 
-    def propose(self, seq: Sequence[int], n: int, sp=None, rng=None) -> Draft:
+    def propose(self, seq: Sequence[int], n: int, sp=None, uniforms=None) -> Draft:
         self._extend(seq)
         self._last_bucket = None
         if n <= 0:

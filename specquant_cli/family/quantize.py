@@ -258,6 +258,19 @@ def plan_steps(base: Path, info: GGUFInfo, out_dir: Path, stem: str, types: Sequ
     return steps
 
 
+def _require_parent(steps: list, old: Optional[dict]) -> None:
+    """A family must hold its parent (every draft verifies against it): refused before anything is quantized
+    when neither these types nor the folder's family of the same base have it."""
+    from specquant_cli.family.roles import PARENT_ROLE
+
+    old_variants = old.get("variants") if old and isinstance(old.get("variants"), dict) else {}
+    if PARENT_ROLE in {s.q.role for s in steps} or PARENT_ROLE in old_variants:
+        return
+    have = ",".join(s.q.name for s in steps)
+    raise InputError(f"--types {have}: a family needs its parent ({PARENT_ROLE}), which every draft verifies "
+                     f"against and lossless output comes from; add f16 to --types")
+
+
 def build_manifest(old: Optional[dict], same_base: bool, name: str, info: GGUFInfo, base_file: str, base_sha: str,
                    base_size: int, variants: dict, provenance: Optional[str], notes: Optional[dict],
                    warn: WarnFn) -> dict:
@@ -342,6 +355,7 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
         if rebuild_all:
             warn(f"{out_dir} holds a family made from another base; rebuilding every variant")
         steps = plan_steps(base, info, out_dir, stem, types, force, base_sha, rebuild_all, warn)
+        _require_parent(steps, old if same_base else None)
 
         builds = [s for s in steps if s.action == "build"]
         needed = sum(estimate_bytes(info, s.q) for s in builds)

@@ -34,12 +34,13 @@ from specquant_cli.serving.schemas import (
     new_id,
     now,
 )
+from specquant_cli.serving.security import OriginPolicy, is_json
 from specquant_cli.serving.service import Service, stderr_line
 from specquant_cli.serving.worker import Job, disconnected
 
 POLICY_HEADER = "x-specquant-policy"
 DRAIN_BYTES = 32 << 20  # an oversized body is read (and dropped) this far past the cap, so the client reads the 413
-BODY_TIMEOUT_S = 5  # a body that stops arriving for this long is answered 400 (and the connection closed)
+BODY_TIMEOUT_S = 5  # a body not complete this long after its first wait began is answered 400 (connection closed)
 MAX_JSON_DEPTH = 64  # arrays and objects nested deeper are refused before parsing
 CLOSE = {"connection": "close"}  # on an answer sent before the whole body was read
 STATE_KEY = "specquant"  # per-request notes for the log line, in the ASGI scope's state
@@ -106,7 +107,7 @@ def create_app(svc: Service):
     async def completions(request: Request):
         return await _generate(svc, request, chat=False)
 
-    return Guard(app, svc.api_key, public=PUBLIC_PATHS)
+    return Guard(app, svc.api_key, public=PUBLIC_PATHS, policy=svc.origin_policy)
 
 
 def _add_page(app: FastAPI) -> None:
@@ -232,8 +233,9 @@ async def read_body(request: Request, cap: int) -> bytes:
     if declared > cap + DRAIN_BYTES or (declared > cap and expects_100):
         raise _too_big(cap, CLOSE)  # not worth reading (or not sent yet): the connection closes after the answer
     size, parts, chunks = 0, [], request.stream()
+    deadline = asyncio.get_running_loop().time() + BODY_TIMEOUT_S  # for the whole body: a byte every 3 s is no body
     try:
-        while (chunk := await _next_chunk(chunks)) is not None:
+        while (chunk := await _next_chunk(chunks, deadline)) is not None:
             size += len(chunk)
             if size > cap + DRAIN_BYTES:
                 raise _too_big(cap, CLOSE)
@@ -243,7 +245,7 @@ async def read_body(request: Request, cap: int) -> bytes:
         if max(size, declared) > cap:
             raise _too_big(cap, CLOSE) from None
         got = f"{size} of {declared}" if declared else str(size)
-        raise ApiError(400, f"the request body stopped arriving: {got} bytes, then {BODY_TIMEOUT_S} s without data",
+        raise ApiError(400, f"the request body did not arrive within {BODY_TIMEOUT_S} s: {got} bytes came",
                        code="body_timeout", headers=CLOSE) from None
     except ClientDisconnect:
         raise disconnected() from None
@@ -252,8 +254,8 @@ async def read_body(request: Request, cap: int) -> bytes:
     return b"".join(parts)
 
 
-async def _next_chunk(chunks: AsyncIterator[bytes]) -> Optional[bytes]:
-    async with asyncio.timeout(BODY_TIMEOUT_S):
+async def _next_chunk(chunks: AsyncIterator[bytes], deadline: float) -> Optional[bytes]:
+    async with asyncio.timeout_at(deadline):
         return await anext(chunks, None)
 
 
@@ -322,15 +324,18 @@ def _notes(request: Request) -> dict:
 # -- the guard ----------------------------------------------------------------------------------------
 
 class Guard:
-    """Outermost ASGI layer: Bearer auth (constant-time; not for a GET or HEAD of a `public` path), one stderr log
-    line per request, no tracebacks out."""
+    """Outermost ASGI layer, in this order: the Host and Origin checks (serving.security: a web page the user
+    visits cannot drive the server), CORS preflights of allowed origins, JSON-only POST bodies, Bearer auth
+    (constant-time; not for a GET or HEAD of a `public` path); one stderr log line per request, no tracebacks
+    out."""
 
     def __init__(self, app, api_key: Optional[str], log: Optional[Callable[[str], None]] = None,
-                 public: Collection[str] = ()):
+                 public: Collection[str] = (), policy: OriginPolicy = OriginPolicy()):
         self.app = app
         self._key = api_key.encode() if api_key else None
         self._log = log or stderr_line
         self._public = frozenset(public)  # paths a GET or HEAD reaches without the key
+        self._policy = policy
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -339,16 +344,30 @@ class Guard:
         state = {"status": 0, "complete": False}
         notes = scope.setdefault("state", {}).setdefault(STATE_KEY, {})
 
+        cors: dict[str, str] = {}
+
         async def send_(message):
             if message["type"] == "http.response.start":
                 state["status"] = message["status"]
+                if cors:
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      *((k.encode(), v.encode()) for k, v in cors.items())]}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 state["complete"] = True
             await send(message)
 
         try:
-            denied = self._denied(scope)
-            if denied is not None:
+            refusal = self._refused(scope, cors)
+            denied = self._denied(scope) if refusal is None else None
+            if refusal is not None:
+                status, code, message = refusal
+                notes["error"] = message
+                if status == 204:  # an allowed preflight
+                    await send_({"type": "http.response.start", "status": 204, "headers": []})
+                    await send_({"type": "http.response.body", "body": b"", "more_body": False})
+                else:
+                    await _send_json(send_, status, error_body(message, type="invalid_request_error", code=code))
+            elif denied is not None:
                 notes["error"] = denied
                 await _send_json(send_, 401, error_body(denied, code="invalid_api_key"),
                                  {"www-authenticate": "Bearer"})
@@ -366,6 +385,28 @@ class Guard:
                 end()
             self._log(_log_line(scope, state, notes, time.perf_counter() - t0))
 
+    def _refused(self, scope, cors: dict) -> Optional[tuple[int, Optional[str], str]]:
+        """(status, code, message) of a request refused before auth (or (204, None, ...) for an allowed CORS
+        preflight); fills `cors` with the headers an allowed cross-site origin gets."""
+        host = _header(scope, b"host")
+        problem = self._policy.host_problem(host)
+        if problem is not None:
+            return 403, "host_not_allowed", problem
+        origin = _header(scope, b"origin")
+        if origin is not None:
+            if not self._policy.origin_allowed(origin, host):
+                return 403, "origin_not_allowed", (f"a page of {origin[:80]!r} may not call this server; start it "
+                                                   f"with --cors-origin {origin[:80]} to allow that site")
+            if self._policy.cross_site(origin, host):
+                cors.update(self._policy.cors_headers(origin))
+        if scope.get("method") == "OPTIONS" and origin is not None and \
+                _header(scope, b"access-control-request-method") is not None:
+            return 204, None, "preflight"
+        if scope.get("method") == "POST" and not is_json(_header(scope, b"content-type")):
+            return 415, "unsupported_media_type", ("a request body must be JSON, sent with the header "
+                                                   "Content-Type: application/json")
+        return None
+
     def _denied(self, scope) -> Optional[str]:
         if self._key is None or (scope.get("method") in ("GET", "HEAD") and scope.get("path") in self._public):
             return None
@@ -377,6 +418,12 @@ class Guard:
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
             return "invalid API key"
         return None
+
+
+def _header(scope, name: bytes) -> Optional[str]:
+    """The first value of header `name` (lower case), as text; None when absent."""
+    value = next((v for k, v in scope.get("headers", []) if k == name), None)
+    return value.decode("latin-1") if value is not None else None
 
 
 async def _send_json(send, status: int, body: dict, headers: Optional[dict] = None) -> None:

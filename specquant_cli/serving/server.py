@@ -24,6 +24,7 @@ from specquant_cli.settings import SessionSettings, Settings
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SHUTDOWN_GRACE_S = 10  # uvicorn's wait for open connections after a signal
 WORKER_JOIN_S = 30
+RPC_RELEASE_S = 2.0  # after the worker connections are shut: time for a stuck call to fail
 WARM_UP_TEXT = "Warm up the router."
 
 
@@ -41,6 +42,8 @@ class ServeOptions:
     max_tokens: int = 512  # for requests that give none (clamped to what the context has left)
     max_body: int = 1 << 20
     parallel_from: str = ""  # where `parallel` came from (a flag, a variable, the calibration, ...)
+    allow_hosts: tuple[str, ...] = ()  # names the Host header may carry besides the server's own
+    cors_origins: tuple[str, ...] = ()  # origins whose pages may call across sites
 
 
 def serve_settings(cfg: Settings, family, facts=None, report=None) -> tuple[Settings, ServeOptions]:
@@ -67,7 +70,8 @@ def serve_settings(cfg: Settings, family, facts=None, report=None) -> tuple[Sett
         cfg = cfg.decided("runtime.parallel", n, why or "the prior cost curve (no calibration for this machine)")
     s, v = cfg.serving, cfg.values["runtime.parallel"]
     return cfg, ServeOptions(policy, tuple(offered), cfg.runtime.parallel, s.host, s.port, s.api_key or None,
-                             s.queue, s.max_tokens, s.max_body, v.origin or v.source)
+                             s.queue, s.max_tokens, s.max_body, v.origin or v.source, tuple(s.allow_host or ()),
+                             tuple(s.cors_origin or ()))
 
 
 def _measure_costs(cfg: Settings, family, facts, report) -> None:
@@ -127,9 +131,24 @@ def run(svc: Service, opts: ServeOptions, say=None) -> None:
     finally:
         svc.worker.stop()
         if svc.worker.lost is None:  # else its thread and the parent's sockets are stuck for good: leave them
-            svc.worker.join(WORKER_JOIN_S)
-            svc.runtime.close()
+            _join_engine(svc, say)
     say("specquant serve: stopped")
+
+
+def _join_engine(svc: Service, say) -> None:
+    """Wait for the generation threads, then free the models. A thread stuck on a stalled RPC worker is freed
+    by shutting the worker connections (its call then fails, and the thread is parked); one that still does not
+    end is left behind, with its models, rather than freed under it."""
+    svc.worker.join(WORKER_JOIN_S if not svc.runtime.pool.rpc else SHUTDOWN_GRACE_S)
+    if svc.worker.alive() and svc.runtime.pool.rpc:
+        from specquant_cli.system import rpc
+
+        rpc.release_sockets(svc.runtime.pool.rpc)
+        svc.worker.join(RPC_RELEASE_S)
+    if svc.worker.alive():
+        say("warning: a generation did not stop (waiting on an RPC worker); exiting without freeing its models")
+        return
+    svc.runtime.close()
 
 
 class _Server(uvicorn.Server):

@@ -3,6 +3,7 @@ policies on offer and the request limits; and what happens when the parent's RPC
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -11,6 +12,7 @@ from typing import Optional
 from specquant_cli.errors import SpecquantError
 from specquant_cli.family.manifest import MANIFEST
 from specquant_cli.serving.schemas import ApiError, GenerationParams
+from specquant_cli.serving.security import OriginPolicy
 from specquant_cli.serving.slots import LockedRouter
 from specquant_cli.serving.worker import EngineWorker
 
@@ -31,12 +33,14 @@ class Service:
         self.default_policy = opts.policy
         self.policies = list(opts.policies)
         self.api_key = opts.api_key or None
+        self.origin_policy = OriginPolicy.of(opts.host, opts.allow_hosts, opts.cors_origins)
         self.max_tokens = opts.max_tokens
         self.max_body = opts.max_body
         self.worker = EngineWorker(self.generate, opts.max_queue, parallel=len(self.sessions))
         if slots is not None:
             slots.in_flight = self.worker.in_flight
         self.parent_tokens_per_s = parent_rate(runtime)  # read once: the runtime belongs to the worker thread
+        self.created = created_at(family)  # read once: the folder may change (or go) while serving
         # What each loaded model's KV cache was sized for: positions for every sequence that runs, and sequences.
         self.kv = {role: {"positions": ctx.n_ctx, "sequences": ctx.n_seq_max}
                    for role, ctx in runtime.pool.contexts().items()}
@@ -52,8 +56,8 @@ class Service:
         """system.rpc's handler for a worker lost mid-graph: this request and every later one get 503 while the
         workers are away; once they all answer again the server restarts itself on the same port (ggml-rpc
         cannot reconnect inside one process) and loads the parent anew."""
-        if self._lost.is_set():  # another of ggml's threads failing too: parked like the first
-            return True
+        if self._lost.is_set() or self.exiting.is_set():  # another thread failing too, or the server stopping
+            return True  # (its worker connections shut on purpose): parked, quietly
         self._lost.set()
         stderr_line(f"error: {line}; answering 503 until the workers answer again, then restarting")
         self.worker.lose_engine(ApiError(503, f"{line}; the server restarts by itself once the worker is back",
@@ -87,7 +91,7 @@ class Service:
 
     def model_card(self) -> dict:
         fam = self.family
-        return {"id": fam.name, "object": "model", "created": int((fam.root / MANIFEST).stat().st_mtime),
+        return {"id": fam.name, "object": "model", "created": self.created,
                 "owned_by": "specquant",
                 "specquant": {"roles": {r: fam.variant(r)["type"] for r in fam.roles()},
                               "loaded": self.runtime.pool.loaded(), "policies": self.policies,
@@ -122,12 +126,21 @@ def with_port(args: list[str], port: int) -> list[str]:
     return [*out, "--port", str(port)]
 
 
+def created_at(family) -> int:
+    """When the family's manifest was written (its mtime), 0 when it cannot be read."""
+    try:
+        return int((family.root / MANIFEST).stat().st_mtime)
+    except (OSError, OverflowError, ValueError):
+        return 0
+
+
 def parent_rate(runtime) -> Optional[float]:
     """The parent's calibrated decode speed on this machine (tokens/s: one 1-token call each), None when this
     machine has no valid calibration for the family (`specquant calibrate`; the auto policy measures it)."""
     cal = runtime.calibration(measure=False)
     step = cal.parent_call_s.get(1) if cal is not None else None
-    return round(1.0 / step, 2) if step else None
+    rate = 1.0 / step if step else None
+    return round(rate, 2) if rate is not None and math.isfinite(rate) else None
 
 
 def stderr_line(line: str) -> None:

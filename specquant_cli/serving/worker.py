@@ -131,18 +131,24 @@ class EngineWorker:
         job.cancel(reason)
 
     def stop(self, reason: Optional[ApiError] = None) -> None:
-        """Refuse new jobs, fail the waiting ones, stop the running ones; the threads then end."""
+        """Refuse new jobs, fail the waiting ones, stop the running ones; the threads then end. Every open
+        request gets `reason` (503 shutting_down) now, not when its generation thread next looks (a thread waiting
+        on a stalled RPC worker may not look for minutes)."""
         with self._cond:
             if self._stopping is None:
                 self._stopping = reason or shutting_down()
             reason = self._stopping
-            for job in self._waiting:
-                job.done = True
-                job.put("error", reason)
-            self._waiting.clear()
-            for job in self._running:
+            for job in [*self._waiting, *self._running]:
                 job.cancel(reason)
+                if not job.done:
+                    job.done = True
+                    job.put("error", reason)
+            self._waiting.clear()
             self._cond.notify_all()
+
+    def alive(self) -> bool:
+        """Whether a generation thread is still running."""
+        return any(t.is_alive() for t in self._threads)
 
     def lose_engine(self, reason: ApiError) -> None:
         """From any thread: the engine is gone for good and its threads will not come back (ggml-rpc lost a

@@ -259,6 +259,7 @@ def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
 # -- the stored entries: checked on every read ------------------------------------------------------------
 MAX_FILE_BYTES = 4 << 20  # an entry is a few KB: a calibration file larger than this is not one
 MAX_SECONDS = 600.0  # no single call measured here takes ten minutes: a larger timing is not a measurement
+MIN_SECONDS = 1e-6  # nor does any take under a microsecond (a rate from a smaller one overflows)
 FIELDS = {  # every key an entry holds, and what its value must be
     "parent_call_s": "object", "draft_step_s": "object", "prefill_token_s": "object", "agreement": "object",
     "tokens_per_cycle": "object", "draft_pair_s": "object", "fingerprint": "object", "measured_at": "string",
@@ -296,8 +297,8 @@ def _number(v, what: str) -> float:
 
 def _seconds(v, what: str) -> float:
     x = _number(v, what)
-    if not 0 < x <= MAX_SECONDS:
-        raise ValueError(f"{what} {x:g} s is not a timing (must be > 0 and <= {MAX_SECONDS:g} s)")
+    if not MIN_SECONDS <= x <= MAX_SECONDS:
+        raise ValueError(f"{what} {x:g} s is not a timing (must be {MIN_SECONDS:g} .. {MAX_SECONDS:g} s)")
     return x
 
 

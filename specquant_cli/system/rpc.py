@@ -194,6 +194,12 @@ def install_abort_guard(endpoints: list[str]) -> None:
         return
 
     def on_abort(message: bytes) -> None:
+        try:
+            _on_abort(message)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: ggml's wait on a worker failed because of it
+            _interrupted()
+
+    def _on_abort(message: bytes) -> None:
         detail = (message or b"").decode("utf-8", "replace").split(": ", 1)[-1]
         eps = _guard["endpoints"]
         if "RPC" not in detail and not any(ep in detail for ep in eps):  # not ours: ggml's message, its abort
@@ -208,11 +214,31 @@ def install_abort_guard(endpoints: list[str]) -> None:
         sys.stderr.flush()
         os._exit(1)
 
+    previous = sys.unraisablehook
+
+    def unraisable(u) -> None:
+        # A signal's KeyboardInterrupt raised as ggml's failed call enters the callback, before its first line
+        # runs, surfaces here (a callback cannot raise into C): the command was interrupted, not the worker lost.
+        if isinstance(u.exc_value, KeyboardInterrupt):
+            _interrupted()
+        previous(u)
+
+    sys.unraisablehook = unraisable
     cb = _ABORT_CB(on_abort)
     base = _lib()
     base.ggml_set_abort_callback.argtypes, base.ggml_set_abort_callback.restype = [_ABORT_CB], ctypes.c_void_p
     base.ggml_set_abort_callback(cb)
     _guard["cb"] = cb
+
+
+def _interrupted() -> None:
+    """Ctrl-C or SIGTERM while ggml waited on a worker: the call cannot be resumed, so the process ends now, as an
+    interrupted command does (exit 130); nothing it writes is half-written (every file is replaced whole)."""
+    try:
+        sys.stderr.write("interrupted\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(130)
 
 
 def arm_sockets(endpoints: list[str], deadline: float) -> int:
