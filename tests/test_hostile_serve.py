@@ -83,7 +83,7 @@ def raw_request(server, head: bytes, body: bytes, timeout: float = 10) -> tuple[
     port = int(server.url.rsplit(":", 1)[1])
     t0 = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(head + b"\r\nHost: test\r\nContent-Type: application/json\r\n\r\n" + body)
+        s.sendall(head + b"\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\r\n" + body)
         data = b""
         while chunk := s.recv(65536):
             data += chunk
