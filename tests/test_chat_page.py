@@ -47,7 +47,7 @@ def _page_client(key: str | None = "k"):
     _add_page(app)
     app.get("/health")(lambda: {"status": "ok"})
     app.get("/v1/models")(lambda: {"object": "list", "data": []})
-    return TestClient(Guard(app, key, log=lambda line: None, public=PUBLIC_PATHS))
+    return TestClient(Guard(app, key, log=lambda line: None, public=PUBLIC_PATHS), base_url="http://localhost")
 
 
 def test_the_page_needs_no_key_but_every_api_call_does():

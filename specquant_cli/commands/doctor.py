@@ -8,6 +8,7 @@ from rich.table import Table
 
 from specquant_cli.commands.options import JsonOpt, load_family, warn_above_trained_ctx, with_settings
 from specquant_cli.console import err, gib, out_json
+from specquant_cli.family.roles import PARENT_ROLE
 from specquant_cli.settings import Settings, resolve_all
 
 
@@ -47,6 +48,9 @@ def doctor(
         warn_above_trained_ctx(fam, n_ctx)
         # every variant checked (path inside the folder, size, GGUF parse, type, vocabulary; sha256 with --verify)
         checks = fam.check(hashes=verify, deep=True)
+        if PARENT_ROLE not in checks:  # no draft verifies, nothing is lossless: a family that runs no policy
+            checks[PARENT_ROLE] = ("missing: the family has no parent, which every draft verifies against; "
+                                   "specquant quantize BASE --types f16 --out FOLDER adds it")
         broken = {role: why for role, why in checks.items() if why}
         report["family"] = {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance,
                             "sha256_verified": verify,

@@ -552,9 +552,6 @@ class Family:
         from specquant_cli.family.ggufio import read_info
 
         out: dict[str, Optional[str]] = {role: self.problem(role, hashes) for role in self.roles()}
-        if PARENT_ROLE not in out:  # no draft verifies, nothing is lossless
-            out[PARENT_ROLE] = ("missing: the family has no parent, which every draft verifies against; "
-                          "specquant quantize BASE --types f16 --out FOLDER adds it")
         if not deep:
             return out
         infos = {}

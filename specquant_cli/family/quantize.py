@@ -258,17 +258,18 @@ def plan_steps(base: Path, info: GGUFInfo, out_dir: Path, stem: str, types: Sequ
     return steps
 
 
-def _require_parent(steps: list, old: Optional[dict]) -> None:
-    """A family must hold its parent (every draft verifies against it): refused before anything is quantized
-    when neither these types nor the folder's family of the same base have it."""
+def _warn_without_parent(steps: list, old: Optional[dict], warn: WarnFn) -> None:
+    """A family without its parent (every draft verifies against it, lossless output is its own) runs no policy
+    until one is added: said before anything is quantized, when neither these types nor the folder's family of
+    the same base have it (a family may be built a type at a time)."""
     from specquant_cli.family.roles import PARENT_ROLE
 
     old_variants = old.get("variants") if old and isinstance(old.get("variants"), dict) else {}
     if PARENT_ROLE in {s.q.role for s in steps} or PARENT_ROLE in old_variants:
         return
     have = ",".join(s.q.name for s in steps)
-    raise InputError(f"--types {have}: a family needs its parent ({PARENT_ROLE}), which every draft verifies "
-                     f"against and lossless output comes from; add f16 to --types")
+    warn(f"--types {have} makes a family without its parent ({PARENT_ROLE}): no policy runs on it, and doctor "
+         f"reports it broken, until quantize --types f16 adds it")
 
 
 def build_manifest(old: Optional[dict], same_base: bool, name: str, info: GGUFInfo, base_file: str, base_sha: str,
@@ -355,13 +356,13 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
         if rebuild_all:
             warn(f"{out_dir} holds a family made from another base; rebuilding every variant")
         steps = plan_steps(base, info, out_dir, stem, types, force, base_sha, rebuild_all, warn)
-        _require_parent(steps, old if same_base else None)
 
         builds = [s for s in steps if s.action == "build"]
         needed = sum(estimate_bytes(info, s.q) for s in builds)
         needed += sum(info.path.stat().st_size for s in steps if s.action == "place"
                       and base.stat().st_dev != out_dir.stat().st_dev)
         check_disk(out_dir, needed)
+        _warn_without_parent(steps, old if same_base else None, warn)
         threads = threads or os.cpu_count() or 1
         staged: list[tuple[Path, Step]] = []
         try:

@@ -7,7 +7,7 @@ from typing import Optional, Protocol
 
 from specquant_cli.backend.llama import Context, Model, check_same_vocab
 from specquant_cli.decoding.protocols import TokenContext
-from specquant_cli.errors import FamilyError, ResourceError
+from specquant_cli.errors import ResourceError
 from specquant_cli.family.manifest import Family
 from specquant_cli.family.roles import PARENT_ROLE
 from specquant_cli.settings import DEFAULT_RPC_TIMEOUT_S
@@ -85,11 +85,6 @@ class ModelPool:
             return
         placement = self._require_fit(self.loaded() + missing)
         for role in missing:
-            # The file as the manifest records it (size, header, type), checked now: a model file truncated in place
-            # since the family was opened is a clear error here, not a SIGBUS of a mapping (--mmap) mid-answer.
-            why = self.family.problem(role)
-            if why is not None:
-                raise FamilyError(f"family {self.family.name}: the {role} variant cannot be loaded: {why}")
             if self.rpc and role == PARENT_ROLE:
                 model = self._remote_parent()
             else:
