@@ -38,7 +38,7 @@ def install() -> None:
         signal.signal(signal.SIGTERM, _on_term)
 
 
-STALL_GRACE_S = 1.0
+STALL_GRACE_S = 1.5
 _watch: dict = {}
 
 

@@ -135,6 +135,7 @@ class Setting:
     secret: bool = False
     optional: bool = False  # None is a value of it (not given: decided later, or absent)
     usage: bool = True  # a flag value its check refuses is a usage error (exit 2); False: an error (exit 1)
+    many: bool = False  # a list: comma-separated text, or a TOML array
 
     @property
     def key(self) -> str:
@@ -151,6 +152,8 @@ class Setting:
     def convert(self, raw: Any, text: bool = True) -> Any:
         """A value from the environment (`text`) or specquant.toml (TOML's own types: a string is no number
         there) as this setting's type, bounded and checked; SettingError says why not."""
+        if isinstance(raw, list) and not self.many:
+            raise SettingError("expected one value, not a list")
         if not text and isinstance(raw, str) and self.kind not in (str, Path):
             raise SettingError(f"expected {self.kind.__name__}, not str")
         value = _convert(self.kind, raw)
@@ -190,7 +193,7 @@ def _convert(kind: type, raw: Any) -> Any:
             digits = text[1:] if text[:1] in "+-" else text
             if text != raw or not digits or not (digits.isascii() and digits.isdigit()):
                 raise SettingError("expected an integer")
-            return int(text) if len(digits) <= 18 else (1 if text[0] != "-" else -1) * 10**18  # no 4300-digit parse
+            return int(text) if len(digits) <= 40 else (1 if text[0] != "-" else -1) * 10**40  # no 4300-digit parse
         if kind is float:
             try:
                 value = float(text)
@@ -279,7 +282,7 @@ def _declare() -> dict[str, Setting]:
         Setting("runtime", "mmap", bool, False, "Map model files instead of reading them into memory (faster "
                 "start, shared pages; a file changed under a mapping can crash the process)", "--mmap"),
         Setting("runtime", "rpc", str, None, "Run the parent's layers on llama.cpp RPC workers "
-                "HOST:PORT[,HOST:PORT…] (specquant worker); drafts stay here", "--rpc", check=check_rpc,
+                "HOST:PORT[,HOST:PORT…] (specquant worker); drafts stay here", "--rpc", check=check_rpc, many=True,
                 optional=True, shown="none"),
         Setting("runtime", "rpc_timeout", float, DEFAULT_RPC_TIMEOUT_S, "Seconds one RPC reply may take",
                 "--rpc-timeout", lo=0.0, hi=MAX_RPC_TIMEOUT_S, check=_positive_seconds),
@@ -302,14 +305,15 @@ def _declare() -> dict[str, Setting]:
         Setting("serving", "max_tokens", int, 512, "New tokens for a request that sets no max_tokens",
                 "--max-tokens", lo=1),
         Setting("serving", "allow_host", str, None, "More names the Host header may carry, comma-separated "
-                "(always allowed: IP addresses, localhost, the bound address; *: any name)", "--allow-host",
-                check=_names, optional=True, shown="none"),
+                "(always allowed: IP addresses, localhost, the bound address; *: any name, which turns the "
+                "DNS-rebinding check off)", "--allow-host",
+                check=_names, optional=True, shown="none", many=True),
         Setting("serving", "cors_origin", str, None, "Origins whose web pages may call the API, comma-separated "
                 "(e.g. http://localhost:3000; *: any); the server's own chat page needs none", "--cors-origin",
-                check=_origins, optional=True, shown="none"),
+                check=_origins, optional=True, shown="none", many=True),
         Setting("serving", "policies", str, None, "Comma-separated policies a request may choose (default: all "
                 "the family can run); every model they can use is loaded at start-up", "--policies",
-                check=_policies, optional=True, shown="all", usage=False),
+                check=_policies, optional=True, shown="all", usage=False, many=True),
         # general: every command
         Setting("general", "debug", bool, False, "Re-raise errors with their traceback"),
     ]
@@ -450,7 +454,8 @@ def resolve(keys: Iterable[str], flags: Optional[Mapping[str, Any]] = None, conf
             try:
                 v = Value(s.convert(toml[s.branch][s.name], text=False), "toml", str(toml_path))
             except SettingError as e:
-                raise InputError(f"{toml_path}: {s.key} = {toml[s.branch][s.name]!r}: {e}") from None
+                shown = "***" if s.secret else repr(toml[s.branch][s.name])
+                raise InputError(f"{toml_path}: {s.key} = {shown}: {e}") from None
         raw = environ.get(s.env, "")
         if raw != "":
             try:
@@ -482,9 +487,20 @@ def env(name: str) -> str:
     return os.environ.get(name, "")
 
 
+_resolved_debug: list[bool] = []  # general.debug as the running command resolved it (specquant.toml included)
+
+
+def set_debug(on: bool) -> None:
+    """The command edge records the resolved general.debug here (commands.options.with_settings)."""
+    _resolved_debug[:] = [on]
+
+
 def debug() -> bool:
-    """SPECQUANT_DEBUG: errors are re-raised with their traceback (read where an error is translated, which may be
-    before any command resolved its settings; a value that is no boolean is false here, and refused by resolve)."""
+    """Whether errors are re-raised with their traceback: general.debug as the command resolved it, else (an error
+    before any command resolved its settings) SPECQUANT_DEBUG read now — a value that is no boolean is false
+    here, and refused by resolve."""
+    if _resolved_debug:
+        return _resolved_debug[0]
     raw = os.environ.get(settings_table()["general.debug"].env, "")
     return raw.strip().lower() in TRUE
 

@@ -43,6 +43,9 @@ def _isolate(monkeypatch, tmp_path_factory, selftest_cache):
 
     for s in settings_table().values():  # a developer's SPECQUANT_* settings do not reach the tests
         monkeypatch.delenv(s.env, raising=False)
+    from specquant_cli import settings
+
+    settings._resolved_debug.clear()  # what an earlier in-process command resolved
 
 
 @pytest.fixture(autouse=True)

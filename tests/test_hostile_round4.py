@@ -162,7 +162,7 @@ def test_allowed_host_names_and_refusals_before_the_key(cors_server):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--cors-origin", "ftp://x"], "--cors-origin"), (["--cors-origin", ","], "--cors-origin"),
+    (["--cors-origin", "x.example"], "--cors-origin"), (["--cors-origin", ","], "--cors-origin"),
     (["--cors-origin", "http://a.example/path"], "--cors-origin"), (["--allow-host", "a/b"], "--allow-host"),
     (["--allow-host", "http://x"], "--allow-host"), (["--allow-host", " "], "--allow-host"),
 ])
@@ -179,6 +179,7 @@ def test_host_names_are_read_strictly(header, name):
 @pytest.mark.parametrize("origin,norm", [("http://A.example:80", "http://a.example"),
                                          ("https://x.example:8443", "https://x.example:8443"),
                                          ("null", None), ("http://x/p", None), ("javascript:1", None),
+                                         ("chrome-extension://AbC", "chrome-extension://abc"), ("file://", None),
                                          ("http://u:p@x", None), ("http://x:99999", None)])
 def test_origins_are_read_strictly(origin, norm):
     assert normal_origin(origin) == norm
@@ -386,7 +387,7 @@ def test_a_silent_connection_does_not_lock_a_worker(family_dir):
         idle = socket.create_connection(("127.0.0.1", w.port))  # says nothing
         time.sleep(QUIET_S + 1.5)
         assert rpc.probe(w.endpoint).devices  # the worker answers a parent again
-        assert any("said nothing" in ln for ln in w.lines)
+        assert any("sent no command" in ln for ln in w.lines)
         assert idle.recv(1) == b""  # closed by the worker
         idle.close()
     finally:
@@ -408,15 +409,25 @@ def test_the_front_drops_the_silent_and_relays_the_rest():
     try:
         silent = socket.create_connection(front_sock.getsockname())
         silent.settimeout(5)
-        assert silent.recv(1) == b"" and "said nothing" in said[0]
+        assert silent.recv(1) == b"" and "sent no command" in said[0]
+        stingy = socket.create_connection(front_sock.getsockname())  # a byte, then nothing: no header
+        stingy.sendall(b"\x0e")
+        stingy.settimeout(5)
+        assert stingy.recv(1) == b"" and len(said) == 2
         talker = socket.create_connection(front_sock.getsockname())
-        talker.sendall(b"ping")
+        header = b"\x0e" + (4).to_bytes(8, "little")
+        talker.sendall(header[:3])
+        talker.sendall(header[3:] + b"ping")
         conn, _ = backend.accept()
-        assert conn.recv(4) == b"ping"
+        conn.settimeout(5)
+        got = b""
+        while len(got) < len(header) + 4:
+            got += conn.recv(64)
+        assert got == header + b"ping"
         conn.sendall(b"pong")
         talker.settimeout(5)
         assert talker.recv(4) == b"pong"
-        for s in (silent, talker, conn):
+        for s in (silent, stingy, talker, conn):
             s.close()
     finally:
         front.stop.set()

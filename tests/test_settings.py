@@ -126,6 +126,7 @@ BAD = [
     ({}, "[runtime]\nrpc_timeout = inf\n", "runtime.rpc_timeout = inf: expected a finite number"),
     ({}, "[runtime]\nthreads = 100000\n", "runtime.threads = 100000: at most"),
     ({}, "[decoding\n", "not valid TOML"),
+    ({}, "[serving]\nhost = [\"a\"]\n", "serving.host = ['a']: expected one value, not a list"),
 ]
 
 
@@ -212,3 +213,24 @@ def test_session_settings_take_the_resolved_values_and_extras_win(tmp_path):
                   flags={"runtime.parallel": 2, "runtime.ctx": 1024})
     s = SessionSettings.of(cfg, parallel=4, max_tokens=7)
     assert (s.parallel, s.n_ctx, s.gamma, s.rpc, s.max_tokens) == (4, 1024, 4, [], 7)
+
+
+def test_debug_from_specquant_toml_reaches_the_error_translation(tmp_path, monkeypatch):
+    from specquant_cli.errors import SpecquantError
+
+    monkeypatch.chdir(_toml(tmp_path, "[general]\ndebug = true\n"))
+    with pytest.raises(SpecquantError):  # re-raised with its traceback, not translated to one line
+        run_cli(["chat", "--family", str(tmp_path / "none"), "hi"])
+
+
+def test_a_secret_is_not_echoed_by_a_bad_toml_value(tmp_path):
+    with pytest.raises(InputError) as e:
+        resolve(["serving.api_key"], cwd=_toml(tmp_path, "[serving]\napi_key = 12345678\n"))
+    assert "12345678" not in str(e.value) and "***" in str(e.value)
+
+
+def test_a_seed_of_twenty_digits_is_kept_exactly(tmp_path):
+    cfg = resolve(["decoding.seed"], environ={"SPECQUANT_SEED": str(2**64 - 1)}, cwd=tmp_path)
+    assert cfg.decoding.seed == 2**64 - 1
+    with pytest.raises(InputError, match="at most"):
+        resolve(["decoding.seed"], environ={"SPECQUANT_SEED": "9" * 25}, cwd=tmp_path)

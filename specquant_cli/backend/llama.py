@@ -52,7 +52,7 @@ def init_backend() -> None:
                 pass
             except OSError as e:  # a full disk, a reader gone: one warning, and the log stops
                 _log_file = None
-                _status(f"warning: llama.cpp's log stopped: cannot write to {getattr(f, 'name', 'it')} "
+                _status(f"warning: llama.cpp's log stopped: cannot write to {getattr(f, 'shown', 'it')} "
                         f"({e.strerror or e})")
 
     _log_cb = cb
@@ -119,8 +119,12 @@ def set_log_file(path: Path, label: str) -> None:
     if stat.S_ISREG(os.fstat(fd).st_mode):
         os.set_blocking(fd, True)
     init_backend()
+    f = os.fdopen(fd, "a", encoding="utf-8")
+    f.shown = os.fspath(path)  # for the warning, whatever the file object calls itself
     with _log_lock:
-        _log_file = os.fdopen(fd, "a", encoding="utf-8")
+        previous, _log_file = _log_file, f
+    if previous is not None:
+        previous.close()
 
 
 def check_threads(n: int, label: str) -> int:
@@ -301,9 +305,9 @@ class Model:
             from specquant_cli.errors import InputError
 
             plain = set(self.tokenize(spelled[0], add_bos=False, special=False))
-            token = next(t for t in self.tokenize(spelled[0], add_bos=False, special=True) if t not in plain)
-            raise InputError(f"a message spells the special token {self.token_text(token)!r}, which this chat "
-                             "template cannot keep as text")
+            token = next((t for t in self.tokenize(spelled[0], add_bos=False, special=True) if t not in plain), None)
+            shown = f"the special token {self.token_text(token)!r}" if token is not None else "a special token"
+            raise InputError(f"a message spells {shown}, which this chat template cannot keep as text")
         return self._tokenize_parts(parts, self._add_bos_to(fmt, parts[0][0] if parts[0][1] else ""))
 
     def spells_special(self, text: str) -> bool:

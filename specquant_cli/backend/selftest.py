@@ -201,7 +201,8 @@ def run(types: tuple[str, ...] = TYPES, on_type: Optional[Callable[[str, str], N
     start, k = time.monotonic(), key()
     deadline = start + TIMEOUT_S
     results: dict[str, str] = {}
-    error, definitive = None, True
+    condemned: Optional[str] = None  # the first result that says the build cannot run here
+    could_not: Optional[str] = None  # the first that says only that the test could not run
     todo = list(types)
     while todo:
         passed, rc, last = _run_child(todo, deadline)
@@ -213,26 +214,30 @@ def run(types: tuple[str, ...] = TYPES, on_type: Optional[Callable[[str, str], N
             break
         t, todo = todo[0], todo[1:]
         if rc is None:
-            results[t], definitive = f"no answer within {TIMEOUT_S:.0f} s", False
-            error = error or f"the llama.cpp self-test did not finish within {TIMEOUT_S:.0f} s (at {t.upper()})"
+            results[t] = f"no answer within {TIMEOUT_S:.0f} s"
+            could_not = could_not or f"the llama.cpp self-test did not finish within {TIMEOUT_S:.0f} s (at " \
+                                     f"{t.upper()}); {RETEST} tests again"
             todo = []
         elif rc < 0 and _signal_name(-rc) in FAULTS:
             results[t] = f"died of {_signal_name(-rc)}"
-            error = error or _death_line(t, -rc)
-        elif rc < 0:  # killed from outside: nothing learned about the build
-            results[t], definitive = f"killed by {_signal_name(-rc)}", False
-            error = error or (f"the llama.cpp self-test could not run: its child was killed by {_signal_name(-rc)} "
-                              f"at {t.upper()} (out of memory, or stopped from outside); {RETEST} tests again")
+            condemned = condemned or _death_line(t, -rc)
+        elif rc < 0:  # killed from outside, or an abort: nothing learned about this CPU
+            results[t] = f"killed by {_signal_name(-rc)}"
+            could_not = could_not or (f"the llama.cpp self-test could not run: its child died of "
+                                      f"{_signal_name(-rc)} at {t.upper()} (killed from outside — out of memory, a "
+                                      f"supervisor — or aborted); {RETEST} tests again")
             todo = []
+        elif last.startswith("bad logits"):
+            results[t] = last
+            condemned = condemned or (f"this llama.cpp build gives wrong results on this CPU ({t.upper()}: {last}); "
+                                      f"{REBUILD_HINT}; then {RETEST} tests it again")
         else:
             results[t] = last or f"exit code {rc}"
-            bad = last.startswith("bad logits")
-            definitive = definitive and bad
-            error = error or (f"this llama.cpp build gives wrong results on this CPU ({t.upper()}: {last}); "
-                              f"{REBUILD_HINT}; then {RETEST} tests it again" if bad else
-                              f"the llama.cpp self-test could not run ({t.upper()}: {last or f'exit code {rc}'}); "
-                              f"{RETEST} tests again")
+            could_not = could_not or (f"the llama.cpp self-test could not run ({t.upper()}: "
+                                      f"{last or f'exit code {rc}'}); {RETEST} tests again")
         on_type and on_type(t, results[t])
+    # A fault anywhere condemns the build, whatever else could not run (a verdict the next command must hear).
+    error, definitive = (condemned, True) if condemned else (could_not, could_not is None)
     r = Result(key=k, ok=error is None, types=results, error=error, definitive=definitive,
                seconds=round(time.monotonic() - start, 2), at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     if store and r.definitive:

@@ -121,7 +121,10 @@ def _click_module(name: str):
 
 
 def _apply_process_settings(cfg: Settings) -> None:
-    """What holds for the whole process: llama.cpp's log file."""
+    """What holds for the whole process: whether errors show their traceback, llama.cpp's log file."""
+    from specquant_cli.settings import set_debug
+
+    set_debug(bool(cfg.get("general.debug")))
     path = cfg.get("runtime.llama_log")
     if path is not None:
         from specquant_cli.backend.llama import set_log_file

@@ -398,7 +398,7 @@ class Guard:
                 return 403, "origin_not_allowed", (f"a page of {origin[:80]!r} may not call this server; start it "
                                                    f"with --cors-origin {origin[:80]} to allow that site")
             if self._policy.cross_site(origin, host):
-                cors.update(self._policy.cors_headers(origin))
+                cors.update(self._policy.cors_headers(origin, _header(scope, b"access-control-request-headers")))
         if scope.get("method") == "OPTIONS" and origin is not None and \
                 _header(scope, b"access-control-request-method") is not None:
             return 204, None, "preflight"

@@ -52,16 +52,19 @@ def host_name(header: str) -> Optional[str]:
 
 
 def normal_origin(origin: str) -> Optional[str]:
-    """'scheme://host[:port]' of an Origin value (lower case, default ports dropped), None when it is no
-    origin (`null`, a path, an unknown scheme)."""
+    """'scheme://host[:port]' of an Origin value (lower case, http(s) default ports dropped), None when it is no
+    origin (`null`, a path, no host). Any scheme with a host is one: a browser extension's page
+    (`chrome-extension://ID`) or an app's webview can be allowed by name, not only with `*`."""
     try:
         parts = urlsplit(origin.strip())
         port = parts.port
     except ValueError:
         return None
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or \
+    if not parts.scheme or not parts.hostname or parts.path not in ("", "/") or \
             parts.query or parts.fragment or parts.username or parts.password:
         return None
+    if parts.scheme not in ("http", "https"):
+        return f"{parts.scheme}://{parts.netloc.lower()}"
     host = parts.hostname.lower()
     host = f"[{host}]" if ":" in host else host
     default = {"http": 80, "https": 443}[parts.scheme]
@@ -118,11 +121,13 @@ class OriginPolicy:
         mine = OriginPolicy(self.bound, self.hosts, frozenset())
         return not mine.origin_allowed(origin, host_header)
 
-    def cors_headers(self, origin: str) -> dict[str, str]:
-        """The CORS answer headers for an allowed cross-site origin."""
+    def cors_headers(self, origin: str, requested: Optional[str] = None) -> dict[str, str]:
+        """The CORS answer headers for an allowed cross-site origin: the headers its preflight asks for (an
+        OpenAI SDK sends X-Stainless-* ones) are allowed, and Retry-After can be read."""
+        allowed = requested.strip() if requested and requested.strip() else CORS_HEADERS
         return {"access-control-allow-origin": origin, "vary": "Origin",
-                "access-control-allow-methods": CORS_METHODS, "access-control-allow-headers": CORS_HEADERS,
-                "access-control-max-age": "600"}
+                "access-control-allow-methods": CORS_METHODS, "access-control-allow-headers": allowed,
+                "access-control-expose-headers": "Retry-After", "access-control-max-age": "600"}
 
 
 def is_json(content_type: Optional[str]) -> bool:

@@ -171,9 +171,11 @@ class EngineWorker:
         return self._stopping is not None
 
     def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the threads, `timeout` seconds in all (not each)."""
+        end = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
             if t.is_alive():
-                t.join(timeout)
+                t.join(None if end is None else max(0.0, end - time.monotonic()))
 
     def status(self) -> dict:
         with self._cond:
