@@ -263,6 +263,16 @@ def test_a_fault_condemns_the_build_and_names_the_retest(tmp_path, sig):
     assert json.loads((tmp_path / "cache" / "specquant" / "selftest.json").read_text())["entries"]
 
 
+def test_a_fault_then_a_kill_still_condemns_the_build(monkeypatch):
+    from specquant_cli.backend import selftest
+
+    children = iter([(["f16"], -signal.SIGILL, ""), ([], -signal.SIGKILL, "")])  # BF16 faults, then Q4_0 is killed
+    monkeypatch.setattr(selftest, "_run_child", lambda todo, deadline: next(children))
+    r = selftest.run(store=False)
+    assert not r.ok and r.definitive and "SIGILL" in r.error and "BF16" in r.error
+    assert r.types == {"f16": "ok", "bf16": "died of SIGILL", "q4_0": "killed by SIGKILL"}
+
+
 def test_an_old_verdict_of_a_kill_is_not_trusted(tmp_path, monkeypatch):
     from specquant_cli.backend import selftest
 
