@@ -77,6 +77,8 @@ def watch_stalls(grace_s: float = STALL_GRACE_S) -> None:
             except OSError:
                 return
             for signum in {b for b in data if b in wrappers}:
+                if signal.getsignal(signum) is not wrappers[signum]:
+                    continue  # someone else's handler has it now (a server's): theirs to handle
                 seen = handled[signum]
                 time.sleep(grace_s)
                 if handled[signum] == seen and signal.getsignal(signum) is wrappers[signum]:

@@ -475,6 +475,47 @@ def test_a_stalled_worker_does_not_hold_off_a_signal(family_dir, sig):
     assert "Traceback" not in err and "lost" not in err
 
 
+def test_serve_stopping_on_a_stalled_worker_answers_503_and_exits(family_dir):
+    """Every open request gets the documented 503 in OpenAI's shape at once, and the process exits within its
+    grace period, though its generation waits on a worker that stopped answering."""
+    from test_rpc import COUNTING
+
+    from specquant_cli.serving.server import RPC_RELEASE_S, SHUTDOWN_GRACE_S
+
+    w = _worker()
+    srv = ServerProc(["--family", str(family_dir), "--policy", "parent", "--policies", "parent", "--parallel", "1",
+                      "--rpc", w.endpoint])
+    got: dict = {}
+    try:
+        client = srv.client(key="none")
+
+        def long_request():
+            try:
+                client.completions.create(model="m", prompt=COUNTING, max_tokens=3000, temperature=0)
+            except openai.APIStatusError as e:
+                got["error"] = e
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(4)  # the answer is being generated
+        w.proc.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        answered = time.monotonic() - t0
+        srv.proc.wait(SHUTDOWN_GRACE_S + RPC_RELEASE_S + 15)
+        took = time.monotonic() - t0
+    finally:
+        w.proc.send_signal(signal.SIGCONT)
+        srv.stop()
+        w.stop()
+    e = got["error"]
+    assert e.status_code == 503 and e.body["code"] == "shutting_down" and answered < 5, (answered, e)
+    assert srv.proc.returncode == 0 and took < SHUTDOWN_GRACE_S + RPC_RELEASE_S + 10, (took, srv.log())
+    assert "Traceback" not in srv.log()
+
+
 # -- 6. HTTP edges --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("step", [5e-324, 1e-9, 1e-300])
 def test_a_calibration_with_an_impossible_timing_is_refused(step):
