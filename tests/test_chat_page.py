@@ -250,7 +250,9 @@ def test_stop_ends_the_stream_and_the_server_answers_the_next_request(page, page
     page.wait(lambda d: len(page.spans()) >= 3, ANSWER_TIMEOUT_S)
     t0 = time.monotonic()
     page.el("stop").click()
-    page.wait(lambda d: page.last_state() == "stopped", 10)
+    # Client-side once the click lands; bounded generously: on 2 busy cores a browser's event loop can lag (seen
+    # once in a full suite past 10 s, never alone).
+    page.wait(lambda d: page.last_state() == "stopped", 30)
     assert page.idle() and "stopped" in page.turns()[-1].text and not page.error()
     shown = page.answer()
     assert wait_for(lambda: not page_server.health()["busy"], timeout=10)  # the server stopped generating
