@@ -85,7 +85,7 @@ def open_session(settings: SessionSettings, family=None, report: Reporter = SILE
         report.say(warning)
     runtime = Runtime.open(fam, n_ctx=settings.n_ctx, gamma=settings.gamma, threads=settings.threads,
                            facts=settings.facts, rpc=settings.rpc, parallel=settings.parallel, report=report,
-                           mmap=settings.mmap, rpc_timeout=settings.rpc_timeout)
+                           mmap=settings.mmap, rpc_timeout=settings.rpc_timeout, draft_memory=settings.draft_memory)
     router = Router(router_config, runtime.count_tokens, max_tokens=settings.n_ctx)
     return ChatSession(runtime, router, policy, settings.sampling or SamplingParams(), settings.max_tokens,
                        settings.system, settings.stop)
@@ -114,10 +114,11 @@ class ChatSession:
         self.history.clear()
 
     def plan(self, text: str, policy: Optional[str] = None, prompt: Optional[list[int]] = None,
-             measure: bool = True) -> tuple[Route, Plan]:
+             measure: bool = True, answer_tokens: int = 0) -> tuple[Route, Plan]:
         """Route `text` and plan it. A policy with a planner has the session's planner decide, from the
-        prompt's copy potential, the roles it may pick and the machine's calibration (measured on first use
-        unless `measure` is False)."""
+        prompt's copy potential, the roles it may pick, the machine's calibration (measured on first use
+        unless `measure` is False) and the context position the answer will mostly decode at (the prompt
+        plus half of `answer_tokens`)."""
         route = self.router.route(text)
         name = policy or self.policy
         rt = self.runtime
@@ -128,7 +129,7 @@ class ChatSession:
 
         tokens = prompt if prompt is not None else rt.tokenizer().tokenize(text, add_bos=False, special=False)
         ctx = PlanContext(name, route.tier, copy_potential(tokens), rt.plannable_roles(),
-                          rt.calibration(measure=measure))
+                          rt.calibration(measure=measure), position=len(tokens) + answer_tokens // 2)
         return route, plan_for(name, route.tier, ctx, planner)
 
     def messages(self, text: str) -> list[dict]:
@@ -169,10 +170,10 @@ class ChatSession:
         model = self.runtime.tokenizer()
         prompt = model.tokenize(raw_prompt, add_bos=model.add_bos()) if raw_prompt is not None \
             else model.chat_prompt(messages)
-        route, plan = self.plan(route_text, policy, prompt)
-        answer = Answer(route_text, route, plan, route_s=time.perf_counter() - t0)
-        engine = self.runtime.engine(plan, sampling or self.sampling)
         limit = max_tokens or self.max_tokens
+        route, plan = self.plan(route_text, policy, prompt, answer_tokens=limit)
+        answer = Answer(route_text, route, plan, route_s=time.perf_counter() - t0)
+        engine = self.runtime.engine(plan, sampling or self.sampling, position=len(prompt))
         stops = self.stop if stop is None else stop
 
         def run() -> Iterator[Response]:

@@ -28,6 +28,7 @@ MAX_CTX = 1 << 20
 DEFAULT_GAMMA = 4  # the draft length γ when nothing sets one
 MAX_GAMMA_SETTING = 16  # the largest --gamma accepted
 MAX_PARALLEL = 8  # the most sequences serve decodes together
+DEFAULT_DRAFT_MEMORY_MIB = 64.0  # RAM of each policy's drafting memory (decoding.memory)
 DEFAULT_RPC_TIMEOUT_S = 300.0  # longest wait for one RPC reply (a long prefill on a slow worker stays under it)
 MAX_RPC_TIMEOUT_S = 86400.0
 SOURCES = ("default", "toml", "env", "flag", "machine")
@@ -272,6 +273,9 @@ def _declare() -> dict[str, Setting]:
         Setting("decoding", "top_k", int, 0, "0 = off", "--top-k", lo=0),
         Setting("decoding", "seed", int, None, "Same seed, same sampled output", "--seed", lo=0, hi=2**64 - 1,
                 optional=True, shown="none"),
+        Setting("decoding", "draft_memory", float, DEFAULT_DRAFT_MEMORY_MIB, "RAM (MiB) of the drafting memory "
+                "every request of a policy shares (suffix drafts over earlier prompts and answers; least recently "
+                "used out; 0: each answer drafts from itself alone)", "--draft-memory", lo=0.0, hi=1 << 16),
         # runtime: what the models run with
         Setting("runtime", "family", Path, None, "Family folder", "--family", check=check_path, optional=True,
                 shown=str(DEFAULT_FAMILY_DIR)),
@@ -541,7 +545,8 @@ class SessionSettings:
     default policy; sampling (None: greedy), max_tokens, system, stop: the answers' defaults; router_config: a
     TOML file with a [router] table (None: ./specquant.toml when present); rpc: the parent's RPC workers and
     rpc_timeout their reply deadline; mmap: map model files; facts: this machine's hardware facts when already
-    detected; parallel: sequences every context holds, each with n_ctx positions."""
+    detected; parallel: sequences every context holds, each with n_ctx positions; draft_memory: MiB of each
+    policy's drafting memory."""
 
     family: Optional[Path] = None
     n_ctx: int = DEFAULT_CTX
@@ -558,6 +563,7 @@ class SessionSettings:
     parallel: int = 1
     mmap: bool = False
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S
+    draft_memory: float = DEFAULT_DRAFT_MEMORY_MIB
 
     def __post_init__(self):
         self.stop = tuple(self.stop)
@@ -568,6 +574,7 @@ class SessionSettings:
         """The session settings `cfg` resolved (the keys it has), plus `extra` fields."""
         names = {"family": "runtime.family", "n_ctx": "runtime.ctx", "gamma": "decoding.gamma",
                  "threads": "runtime.threads", "policy": "decoding.policy", "rpc": "runtime.rpc",
-                 "parallel": "runtime.parallel", "mmap": "runtime.mmap", "rpc_timeout": "runtime.rpc_timeout"}
+                 "parallel": "runtime.parallel", "mmap": "runtime.mmap", "rpc_timeout": "runtime.rpc_timeout",
+                 "draft_memory": "decoding.draft_memory"}
         kw = {f: cfg.get(k) for f, k in names.items() if k in cfg.values and cfg.get(k) is not None}
         return cls(**{"router_config": cfg.config, **kw, **extra})

@@ -80,10 +80,13 @@ def test_a_slot_is_a_runtime_over_a_view_of_the_shared_pool(family):
         assert slot.planner("auto") is not auto3 and slot.planner("auto") is slot.planner("auto")
         in_flight[0] = 9  # never more than the slots
         assert slot.costs.batch == 4
-        # Its own drafters: a slot's suffix memory is never another slot's or the shared runtime's.
+        # Its own drafters (each with its own cursor and acceptance estimates), over one drafting memory per
+        # policy that every slot reads and writes; another policy's memory is another.
         mine = slot.drafters.drafter("suffix", "f16", "suffix")
-        assert mine is not slots.runtimes[1].drafters.drafter("suffix", "f16", "suffix")
-        assert mine is not shared.drafters.drafter("suffix", "f16", "suffix")
+        other = slots.runtimes[1].drafters.drafter("suffix", "f16", "suffix")
+        assert mine is not other and mine.memory is other.memory
+        assert mine.memory is shared.drafters.drafter("suffix", "f16", "suffix").memory
+        assert mine.memory is not slot.drafters.drafter("suffix", "f16", "auto").memory
         slot.close()  # resets its sequence; the shared models stay loaded
         assert shared.pool.loaded() == ["f16", "q4"]
     finally:

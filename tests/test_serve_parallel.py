@@ -18,7 +18,7 @@ N = 16
 
 @pytest.fixture(scope="module")
 def parallel_server(family_dir):
-    s = ServerProc(["--family", str(family_dir), "--parallel", "4", "--policies", "parent,spec-q4,ngram,auto",
+    s = ServerProc(["--family", str(family_dir), "--parallel", "4", "--policies", "parent,spec-q4,ngram,auto,suffix",
                     "--policy", "parent", "--api-key", KEY])
     yield s
     s.stop()
@@ -105,3 +105,30 @@ def test_health_and_the_start_line_say_how_many_run_at_once(parallel_server):
     h = parallel_server.health()
     assert h["parallel"] == 4 and h["running"] == 0
     assert "4 at once" in parallel_server.log()
+
+
+@pytest.mark.slow
+def test_one_requests_answer_drafts_for_the_next_through_the_shared_memory(parallel_server, alone, judge):
+    """Every slot reads and writes one drafting memory per policy: a question asked again, in whichever slot,
+    drafts the earlier answer from its first token; the answers stay the parent's; /health shows the memory
+    within its budget."""
+    prompt = "Write the numbers from one to twenty in words, separated by commas."
+
+    def suffix(client):
+        return client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=48, temperature=0, extra_body={"specquant_policy": "suffix"})
+
+    parent = parallel_server.client().chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": prompt}], max_tokens=48, temperature=0,
+        extra_body={"specquant_policy": "parent"}).choices[0].message.content
+    first = suffix(parallel_server.client())
+    with ThreadPoolExecutor(3) as pool:  # three at once, in three slots: each drafts from the memory
+        again = list(pool.map(lambda _: suffix(parallel_server.client()), range(3)))
+    for r in [first, *again]:
+        text = r.choices[0].message.content
+        assert text == parent or judge(prompt, text) != fidelity.UNEXPLAINED
+    sq_first, sq_again = first.model_extra["specquant"], [r.model_extra["specquant"] for r in again]
+    assert all(s["accepted"] >= first.usage.completion_tokens - 8 for s in sq_again), (sq_first, sq_again)
+    assert all(s["parent_calls"] < first.usage.completion_tokens / 2 for s in sq_again)
+    use = parallel_server.health()["draft_memory"]["suffix"]
+    assert 0 < use["tokens"] <= use["max_tokens"] and use["documents"] >= 4

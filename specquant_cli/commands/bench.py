@@ -20,7 +20,8 @@ def register(app: typer.Typer) -> None:
 
 
 @with_settings("decoding.temperature", "decoding.seed", "decoding.gamma", "runtime.family", "runtime.ctx",
-               "runtime.threads", "runtime.mmap", "runtime.rpc", "runtime.rpc_timeout")
+               "runtime.threads", "runtime.mmap", "runtime.rpc", "runtime.rpc_timeout",
+               "decoding.draft_memory")
 def bench(
     dataset: list[Path] = typer.Option([], "--dataset", help="Spec-Bench-format JSONL (repeatable); "
                                                              "default: the built-in prompt set"),
@@ -106,6 +107,9 @@ def bench(
     err.print(f"provenance: {fam.provenance}\ncaveat: {INFLATION_NOTE}", markup=False)
     if warning := fidelity.warning(judged):
         err.print(warning, markup=False, soft_wrap=True)  # one line, however long
+    if "q4" not in names and "q4" in fam.roles():
+        err.print("note: add q4 to --policies to see each lossless policy's share of q4 alone's speed "
+                  "(the lossy alternative)", markup=False)
     failure = report.write_outputs(rep, json_file, md_out, plot_out)  # each writable one is written
     if json_out:
         out_json(rep)

@@ -17,7 +17,8 @@ HELP = ("Serve a family over an OpenAI-compatible HTTP API: /v1/chat/completions
 SETTINGS = ("decoding.policy", "serving.policies", "serving.host", "serving.port", "serving.api_key",
             "serving.allow_host", "serving.cors_origin",
             "runtime.parallel", "serving.queue", "serving.max_tokens", "serving.max_body", "decoding.gamma",
-            "runtime.family", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc", "runtime.rpc_timeout")
+            "runtime.family", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc", "runtime.rpc_timeout",
+            "decoding.draft_memory")
 
 
 def register(app: typer.Typer) -> None:

@@ -16,7 +16,8 @@ from typing import Optional
 
 from specquant_cli.backend.llama import Model
 from specquant_cli.decoding.engine import Engine
-from specquant_cli.decoding.gamma import FixedGamma
+from specquant_cli.decoding.gamma import FixedGamma, RateGuard
+from specquant_cli.decoding.memory import tokens_for
 from specquant_cli.decoding.registry import register_family_drafters
 from specquant_cli.decoding.sampling import SamplingParams
 from specquant_cli.family.manifest import Family
@@ -26,7 +27,7 @@ from specquant_cli.routing.policies import policy_spec
 from specquant_cli.runtime.costs import CostModel
 from specquant_cli.runtime.drafters import DrafterCache
 from specquant_cli.runtime.pool import ModelPool, Models, plannable_roles
-from specquant_cli.settings import DEFAULT_GAMMA, DEFAULT_RPC_TIMEOUT_S
+from specquant_cli.settings import DEFAULT_DRAFT_MEMORY_MIB, DEFAULT_GAMMA, DEFAULT_RPC_TIMEOUT_S
 
 __all__ = ["Runtime"]
 
@@ -42,14 +43,15 @@ class Runtime:
     def open(cls, family: Family, n_ctx: int = 4096, gamma: int = DEFAULT_GAMMA, threads: Optional[int] = None,
              p_min: Optional[float] = None, facts=None, kv_import: bool = True, rpc: Optional[list[str]] = None,
              parallel: int = 1, report: Reporter = SILENT, mmap: bool = False,
-             rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S) -> Runtime:
+             rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S, draft_memory: float = DEFAULT_DRAFT_MEMORY_MIB) -> Runtime:
         """The runtime of `family`: registers its role drafters (a custom graded role drafts too; the one call
         that does), nothing loaded yet. `parallel`, `rpc`, `rpc_timeout`, `mmap`: runtime.pool.ModelPool's;
-        `report`: where calibration's progress and warnings go."""
+        `report`: where calibration's progress and warnings go; `draft_memory`: MiB of each policy's drafting
+        memory (decoding.memory)."""
         pool = ModelPool(family, register_family_drafters(family.roles()), n_ctx, threads, facts, rpc, parallel,
                          mmap, rpc_timeout)
         costs = CostModel(pool, gamma, report)
-        return cls(pool, costs, DrafterCache(pool, costs, p_min, kv_import))
+        return cls(pool, costs, DrafterCache(pool, costs, p_min, kv_import, tokens_for(draft_memory)))
 
     @property
     def family(self) -> Family:
@@ -92,16 +94,21 @@ class Runtime:
                 done.append(r)
         return done
 
-    def engine(self, plan: Plan, sp: SamplingParams) -> Engine:
+    def engine(self, plan: Plan, sp: SamplingParams, position: int = 0) -> Engine:
         """An engine for `plan`: loads the plan's roles (placement-checked), builds its drafter (scoped to the
-        plan's policy) and γ policy.
+        plan's policy) and γ policy. A planned answer (a policy with a planner) drafts under a rate guard: it
+        goes on with the parent alone once its drafting runs below the parent's rate (decoding.gamma.RateGuard).
 
         Args:
             plan: from `routing.policies.plan_for` (or a policy's own planner).
-            sp: sampling parameters; greedy when temperature is 0."""
+            sp: sampling parameters; greedy when temperature is 0.
+            position: the prompt's length (where the answer starts in the context)."""
         self.pool.ensure(plan.roles)
         drafter = self.drafters.drafter(plan.drafter, plan.target, plan.policy) if plan.drafter else None
         gamma = self.costs.gamma_policy(plan) if drafter else FixedGamma(0)
+        step = self.costs.parent_step_s() if drafter and policy_spec(plan.policy).planner is not None else None
+        if step is not None:
+            gamma = RateGuard(gamma, step, position)
         return Engine(self.pool.context(plan.target), drafter, gamma, sp)
 
     def reset_caches(self) -> None:

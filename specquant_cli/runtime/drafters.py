@@ -1,14 +1,18 @@
 """The drafter cache: drafters built from their registry specs (decoding.registry), a persistent one kept
-per scope. The scope is the policy a drafter is built for: what one policy's drafter remembers never feeds
-another's, so a bench that runs several policies on the same prompt does not hand one the answer another
-just produced."""
+per scope, and one drafting memory per scope (decoding.memory.DraftMemory) that every drafter of the scope
+reads and writes. The scope is the policy a drafter is built for: what one policy's drafters remember never
+feeds another's, so a bench that runs several policies on the same prompt does not hand one the answer
+another just produced. A server's slots share their scopes' memories (`with_models`): every request of a
+policy drafts from what the others have written."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
+from specquant_cli.decoding.memory import DraftMemory, tokens_for
 from specquant_cli.decoding.protocols import Drafter, TokenContext
 from specquant_cli.decoding.registry import drafter_spec
 from specquant_cli.runtime.costs import CostModel
@@ -19,12 +23,32 @@ class DrafterCache:
     """`p_min`: a model drafter stops a draft below this probability (None: its default); `kv_import`: model
     drafters import the parent's KV cache instead of prefilling the prompt themselves."""
 
-    def __init__(self, pool: Models, costs: CostModel, p_min: Optional[float] = None, kv_import: bool = True):
+    def __init__(self, pool: Models, costs: CostModel, p_min: Optional[float] = None, kv_import: bool = True,
+                 memory_tokens: Optional[int] = None, memories: Optional[dict] = None):
         self.pool = pool
         self.costs = costs
         self.p_min = p_min
         self.kv_import = kv_import
+        self.memory_tokens = tokens_for() if memory_tokens is None else memory_tokens
         self._kept: dict[tuple[str, str, str], Drafter] = {}
+        self._memories: dict[str, DraftMemory] = memories if memories is not None else {}
+        self._memory_lock = threading.Lock()
+
+    def memory(self, scope: str) -> DraftMemory:
+        """The drafting memory of `scope` (made on first use), shared with every cache made by `with_models`;
+        each holds at most `memory_tokens` (the budget is per policy that drafts from a memory). A budget of 0
+        shares nothing: each call gets a memory of its own, which keeps just the sequence being written."""
+        if self.memory_tokens == 0:
+            return DraftMemory(0)
+        with self._memory_lock:
+            mem = self._memories.get(scope)
+            if mem is None:
+                mem = self._memories[scope] = DraftMemory(self.memory_tokens)
+            return mem
+
+    def memory_use(self) -> dict[str, dict]:
+        """Each scope's memory use (DraftMemory.use)."""
+        return {scope: m.use() for scope, m in list(self._memories.items())}
 
     def drafter(self, name: str, target: str, scope: str) -> Drafter:
         """The named drafter for `target`'s verification; a persistent one is kept for the session, one per
@@ -40,8 +64,9 @@ class DrafterCache:
         return d
 
     def with_models(self, pool: Models, costs: CostModel) -> DrafterCache:
-        """An empty cache with these settings over other models and costs (a serving slot's)."""
-        return DrafterCache(pool, costs, self.p_min, self.kv_import)
+        """A cache with these settings over other models and costs (a serving slot's): drafters of its own,
+        the drafting memories of this one."""
+        return DrafterCache(pool, costs, self.p_min, self.kv_import, self.memory_tokens, self._memories)
 
     def clear(self) -> None:
         self._kept.clear()
@@ -74,3 +99,9 @@ class _Host:
 
     def model_gamma(self, role: str):
         return self.cache.costs.model_gamma(role)
+
+    def draft_cost(self, role: str) -> Callable[[int], float]:
+        return self.cache.costs.draft_cost(role)
+
+    def memory(self):
+        return self.cache.memory(self.scope)
