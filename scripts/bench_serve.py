@@ -13,6 +13,12 @@ closer than the measured batch-vs-single noise and the answer takes the other of
     python scripts/bench_serve.py --family models/qwen2.5-coder-1.5b --parallel 1,8 --policies parent,auto \\
         --clients 1,2,4,8 --max-tokens 128 --json-file docs/bench/serve-qwen.json \\
         --markdown docs/bench/serve-qwen.md --plot docs/bench/serve-qwen.png
+
+With `--llama-server PATH` (a llama-server built from the llama.cpp sources vendored in the installed
+llama-cpp-python's sdist; see scripts/bench_native.py: nothing of it is committed), the same questions also go
+to llama-server at each --parallel value (`-np N`, N × 4096 positions, the same threads), in each of
+`--llama-modes` (plain: no speculation; ngram-mod: its n-gram table shared by all slots; draft-q4: the q4
+variant as its draft model), with its prompt cache off per request, and its answers are judged the same way.
 """
 
 from __future__ import annotations
@@ -63,14 +69,19 @@ def start_server(args, parallel: int) -> tuple[subprocess.Popen, str]:
     return proc, url[0]
 
 
+LLAMA_MODES = {"plain": [], "ngram-mod": ["--spec-type", "ngram-mod"], "draft-q4": ["-md", "{q4}", "-td", "2"]}
+
+
 def one(url: str, question: str, policy: str, max_tokens: int) -> dict:
-    """One streamed greedy request: its TTFT, latency, completion tokens, text and the plan it ran."""
+    """One streamed greedy request: its TTFT, latency, completion tokens, text and the plan it ran. A policy
+    named `llama-server …` is one of llama-server's modes: its prompt cache is turned off for the request."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
     t0 = time.perf_counter()
     ttft, tokens, parts, plan = None, 0, [], None
+    extra = {"cache_prompt": False} if policy.startswith("llama-server") else {"specquant_policy": policy}
     for chunk in client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True}, extra_body={"specquant_policy": policy}):
+            stream=True, stream_options={"include_usage": True}, extra_body=extra):
         if chunk.choices and chunk.choices[0].delta.content:
             ttft = ttft if ttft is not None else time.perf_counter() - t0
             parts.append(chunk.choices[0].delta.content)
@@ -110,6 +121,52 @@ def serve_runs(args, questions: list[str], parallel: int) -> list[dict]:
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def llama_runs(args, questions: list[str], parallel: int) -> list[dict]:
+    """The same clients against llama-server in each of --llama-modes, at `parallel` slots."""
+    import socket
+
+    from specquant_cli.family.manifest import Family
+
+    fam, rows = Family.load(args.family), []
+    for mode in args.llama_modes:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        extra = [a.replace("{q4}", str(fam.path("q4"))) for a in LLAMA_MODES[mode]]
+        cmd = [args.llama_server, "-m", str(fam.path("f16")), "--port", str(port), "-t", "2", "-tb", "2",
+               "-np", str(parallel), "-c", str(4096 * parallel), "--jinja", *extra]
+        with open("/tmp/bench_serve_llama.log", "a") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        url, name = f"http://127.0.0.1:{port}", f"llama-server {mode}"
+        try:
+            _wait_ready(url, proc)
+            one(url, questions[0], name, 8)  # warm-up
+            for c in args.clients:
+                row = {"parallel": parallel, **run(url, questions, name, c, args.max_tokens)}
+                print(f"parallel {parallel} {name} x{c}: {row['tokens_per_s']:.2f} tok/s", file=sys.stderr)
+                rows.append(row)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    return rows
+
+
+def _wait_ready(url: str, proc: subprocess.Popen) -> None:
+    import urllib.request
+
+    for _ in range(600):
+        if proc.poll() is not None:
+            sys.exit("bench_serve: llama-server exited (see /tmp/bench_serve_llama.log)")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    sys.exit("bench_serve: llama-server did not become ready")
 
 
 def judge(args, questions: list[str], rows: list[dict]) -> dict:
@@ -202,7 +259,12 @@ def main() -> None:
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--verbose", action="store_true", help="the servers' logs on stderr")
+    ap.add_argument("--llama-server", help="a llama-server binary: the same clients against it too")
+    ap.add_argument("--llama-modes", default="plain,ngram-mod", help=f"comma-separated: {', '.join(LLAMA_MODES)}")
     args = ap.parse_args()
+    args.llama_modes = [m for m in args.llama_modes.split(",") if m]
+    if any(m not in LLAMA_MODES for m in args.llama_modes):
+        sys.exit(f"bench_serve: --llama-modes takes {', '.join(LLAMA_MODES)}")
     args.policies = [p for p in args.policies.split(",") if p]
     args.clients = [int(c) for c in args.clients.split(",")]
     items = load([Path(args.dataset)], args.categories.split(","), limit=1)
@@ -210,6 +272,8 @@ def main() -> None:
     if len(questions) < max(args.clients):
         sys.exit(f"bench_serve: {len(questions)} questions for up to {max(args.clients)} clients")
     rows = [r for p in args.parallel.split(",") for r in serve_runs(args, questions, int(p))]
+    if args.llama_server:
+        rows += [r for p in args.parallel.split(",") for r in llama_runs(args, questions, int(p))]
     noise = judge(args, questions, rows)
     report = {"command": "python " + " ".join(sys.argv), "machine": machine(),
               "family": args.family, "max_tokens": args.max_tokens,

@@ -25,6 +25,8 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
         by[r.policy].append(r)
     base = _mean(r.tokens_per_s for r in by.get("parent", []))
     base_dec = _mean(r.decode_tokens_per_s for r in by.get("parent", []))
+    q4 = _mean(r.tokens_per_s for r in by.get("q4", []))  # the lossy alternative a user would otherwise run
+    q4_dec = _mean(r.decode_tokens_per_s for r in by.get("q4", []))
     out = []
     for p in policies:
         rs = by.get(p, [])
@@ -42,6 +44,8 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
             "policy": p, "prompts": len(rs), "lossy": any(r.lossy for r in rs),
             "tokens_per_s": round(tps, 3), "speedup": round(tps / base, 4) if base else None,
             "decode_tokens_per_s": round(dec, 3), "decode_speedup": round(dec / base_dec, 4) if base_dec else None,
+            "q4_share": round(tps / q4, 4) if q4 else None,
+            "q4_decode_share": round(dec / q4_dec, 4) if q4_dec else None,
             "kv_import_rate": round(sum(imports) / len(imports), 4) if imports else None,
             "identical_rate": round(sum(ident) / len(ident), 4) if ident else None,
             "fidelity": fidelity_counts(rs),
@@ -57,8 +61,29 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
                            "draft": round(sum(r.draft_s for r in rs) / busy, 3),
                            "verify": round(sum(r.verify_s for r in rs) / busy, 3)},
             "new_tokens": new,
+            "levels": _levels(rs, drafted, accepted),
+            "guard_stops": sum(r.guard_stop is not None for r in rs),
         })
     return out
+
+
+def _levels(rs: Sequence, drafted: int, accepted: int) -> Optional[dict]:
+    """Acceptance and time at each drafting level, when a second level ran: level 1 is the parent verifying the
+    draft, level 2 the draft model verifying the suffix proposals for its own steps."""
+    tot: dict = defaultdict(float)
+    for r in rs:
+        for k, v in (r.levels or {}).items():
+            tot[k] += v
+    if not tot.get("model_calls"):
+        return None
+    return {"level1_acceptance": round(accepted / drafted, 4) if drafted else None,
+            "level2_acceptance": round(tot["level2_accepted"] / tot["level2_proposed"], 4)
+            if tot["level2_proposed"] else None,
+            "level2_proposed": int(tot["level2_proposed"]), "level2_accepted": int(tot["level2_accepted"]),
+            "draft_model_calls": int(tot["model_calls"]),
+            "draft_tokens_per_model_call": round(drafted / tot["model_calls"], 3) if drafted else None,
+            "verify_s": round(sum(r.verify_s for r in rs), 3), "draft_model_s": round(tot["model_s"], 3),
+            "level2_lookup_s": round(tot["lookup_s"], 3)}
 
 
 def fidelity_counts(records: Sequence) -> Optional[dict]:
@@ -88,7 +113,8 @@ def _fmt(v, pct=False, x=False) -> str:
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
-COLUMNS = ("policy", "tok/s", "speedup", "decode speedup", "identical", "identical / near-tie / unexplained",
+COLUMNS = ("policy", "tok/s", "speedup", "decode speedup", "share of q4", "identical",
+           "identical / near-tie / unexplained",
            "acceptance", "accepted/call", "low/med/high", "accuracy", "draft/verify/prefill", "peak RSS")
 
 
@@ -98,12 +124,19 @@ def _fidelity_cell(counts: Optional[dict]) -> str:
     return f"{counts['identical']}/{counts['near_tie']}/{counts['unexplained']}"
 
 
+def _q4_cell(s: dict) -> str:
+    """A lossless policy's speed as a share of `q4` alone's (the lossy alternative), end to end / decode phase."""
+    if s["lossy"] or s.get("q4_share") is None:
+        return "–"
+    return f"{s['q4_share']:.0%} / {s['q4_decode_share']:.0%}" if s.get("q4_decode_share") else f"{s['q4_share']:.0%}"
+
+
 def rows(summary: list[dict]) -> list[list[str]]:
     out = []
     for s in summary:
         t, sp = s["tiers"], s["time_split"]
         out.append([s["policy"] + (" (lossy)" if s["lossy"] else ""), _fmt(s["tokens_per_s"]),
-                    _fmt(s["speedup"], x=True), _fmt(s.get("decode_speedup"), x=True),
+                    _fmt(s["speedup"], x=True), _fmt(s.get("decode_speedup"), x=True), _q4_cell(s),
                     _fmt(s["identical_rate"], pct=True), _fidelity_cell(s.get("fidelity")),
                     _fmt(s["acceptance_rate"], pct=True), _fmt(s["mean_accepted_length"]),
                     f"{t['low']:.0%}/{t['medium']:.0%}/{t['high']:.0%}",

@@ -48,6 +48,8 @@ class Record:
     text: str
     tokens: list[int] = field(default_factory=list)  # the answer's token ids: what fidelity re-scores
     fidelity: Optional[str] = None  # identical / near-tie / unexplained (bench.fidelity); None: not judged
+    levels: dict = field(default_factory=dict)  # a second drafting level's counts and time (EngineStats.levels)
+    guard_stop: Optional[int] = None  # tokens into the answer when its rate guard stopped drafting
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,7 +129,7 @@ def _record(item: Item, policy: str, answer, tokens, runs, parent_tokens, sp) ->
         kv_import_s=s.kv_import_s, kv_import=s.kv_import,
         draft_s=s.draft_s, verify_s=s.verify_s, drafted=s.drafted, accepted=s.accepted, parent_calls=s.parent_calls,
         finish_reason=s.finish_reason, identical=identical, correct=correct, rss_mb=round(_rss_mb(), 1),
-        text=answer.text, tokens=list(tokens))
+        text=answer.text, tokens=list(tokens), levels=dict(s.levels), guard_stop=s.guard_stop)
 
 
 def judge_fidelity(runtime: Runtime, router: Router, items: Sequence[Item], records: Sequence[Record],

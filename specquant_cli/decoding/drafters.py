@@ -33,6 +33,12 @@ class DrafterBase:
     def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
         pass
 
+    @property
+    def counters(self) -> dict[str, float]:
+        """Running totals of what drafting did beyond the engine's own counts (a second level's proposals and
+        acceptances, time per level); the engine reports their change over an answer."""
+        return {}
+
 
 class NGramDrafter(DrafterBase):
     """Prompt lookup: find the latest earlier occurrence of the sequence's last n-gram (longest n first)
@@ -138,6 +144,99 @@ class ModelDrafter(DrafterBase):
         return Draft(out)
 
 
+class StackedDrafter(ModelDrafter):
+    """A second drafting level: the model's own steps are speculated. After each token the model picks, a
+    draft-free drafter (`lower`: a suffix drafter reading the drafting memory) proposes what follows; the model
+    scores the token and the proposals in one call and keeps the proposals as long as they are what it would
+    have picked itself (its greedy choice, or its sample with the parent's number for that position). The
+    draft is therefore the model's own, token for token: only its cost changes, from one call per token to
+    one call per run the lower level got right. `lower` sizes its proposals from the model's batch cost curve
+    and the acceptance it measures at this level (its feedback)."""
+
+    def __init__(self, ctx: TokenContext, lower, name: str = "stacked", **kw):
+        super().__init__(ctx, name, **kw)
+        self.lower = lower
+        self._counts = {"level2_proposed": 0, "level2_accepted": 0, "model_calls": 0, "model_s": 0.0,
+                        "lookup_s": 0.0}
+
+    @property
+    def counters(self) -> dict[str, float]:
+        return dict(self._counts)
+
+    def remember(self, seq: Sequence[int]) -> None:
+        if hasattr(self.lower, "remember"):
+            self.lower.remember(seq)
+
+    def prepare(self, seq: Sequence[int]) -> Prepared:
+        if hasattr(self.lower, "prepare"):
+            self.lower.prepare(seq)
+        return super().prepare(seq)
+
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, uniforms: Uniforms) -> Draft:
+        if n <= 0:
+            return Draft()
+        if self.start >= len(seq):
+            self.start = 0
+        self.remember(seq)
+        self._timed_call(lambda: self.ctx.sync(seq[self.start:]))
+        out: list[int] = []
+        row = -1  # the logits row that predicts the next token
+        while len(out) < n:
+            t = self._pick(self.ctx.logits(row), sp, uniforms, len(seq) + len(out))
+            if t is None:
+                break
+            out.append(t)
+            if t in self.stop_ids or len(out) == n:
+                break  # the last drafted token is decoded lazily, by the next sync, only if it is kept
+            row = self._extend(seq, out, n, sp, uniforms)
+            if row is None:
+                break
+        return Draft(out)
+
+    def _extend(self, seq, out: list[int], n: int, sp, uniforms) -> Optional[int]:
+        """Decode out[-1] with the lower level's proposals after it; append those the model agrees with to
+        `out`. Returns the row predicting the next token, or None when the draft ends here."""
+        t0 = time.perf_counter()
+        props = self.lower.lookup(list(seq) + out, n - len(out)).tokens
+        self._counts["lookup_s"] += time.perf_counter() - t0
+        self._timed_call(lambda: self.ctx.decode([out[-1]] + props, logits="all" if props else "last"))
+        kept, end = 0, False
+        for j, p in enumerate(props):
+            t = self._pick(self.ctx.logits(j), sp, uniforms, len(seq) + len(out))
+            if t != p:
+                end = t is None
+                break
+            out.append(p)
+            kept += 1
+            if p in self.stop_ids:
+                end = True
+                break
+        if props:
+            self._counts["level2_proposed"] += len(props)
+            self._counts["level2_accepted"] += kept
+            self.lower.feedback(seq, CycleOutcome(len(props), kept, -1, 0.0, 0.0, len(props) + 1))
+        if kept < len(props):
+            self.ctx.rewind(self.ctx.n_past - (len(props) - kept))
+        return None if end or len(out) >= n else kept
+
+    def _timed_call(self, call) -> None:
+        t0 = time.perf_counter()
+        call()
+        self._counts["model_calls"] += 1
+        self._counts["model_s"] += time.perf_counter() - t0
+
+    def _pick(self, row: np.ndarray, sp: SamplingParams, uniforms: Uniforms, pos: int) -> Optional[int]:
+        """The model's token at `pos` from its logits `row` (greedy, or sampled with the parent's number for
+        that position), None below `p_min`."""
+        if sp.greedy:
+            t = greedy_token(row)
+            return None if self.p_min is not None and _top_prob(row, t) < self.p_min else t
+        q = probs(row, sp)
+        if self.p_min is not None and float(q.max()) < self.p_min:
+            return None
+        return sample(q, uniforms.at(pos))
+
+
 def _top_prob(row: np.ndarray, top: int) -> float:
     return float(1.0 / np.exp(row - row[top]).sum())
 
@@ -187,6 +286,10 @@ class FallbackDrafter(DrafterBase):
             self.then.prepare(seq)
             self._active = True
         return self.then.propose(seq, g, sp, uniforms)
+
+    @property
+    def counters(self) -> dict[str, float]:
+        return self.then.counters
 
     @property
     def source(self) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from specquant_cli.decoding.gamma import FixedGamma
@@ -46,6 +46,10 @@ class EngineStats:
     kv_import: Optional[bool] = None  # None: no model drafter prepared; False: it prefilled itself
     draft_s: float = 0.0
     verify_s: float = 0.0
+    # what the drafter's own counters (Drafter.counters) added over this answer: a second level's proposals
+    # and acceptances, the draft model's calls and seconds
+    levels: dict = field(default_factory=dict)
+    guard_stop: Optional[int] = None  # tokens into the answer when a rate guard stopped drafting
 
 
 class Engine:
@@ -86,6 +90,7 @@ class Engine:
         st = self.stats = EngineStats(prompt_tokens=len(prompt))
         seq = list(prompt)
         self._prefill(seq)
+        base = dict(self.drafter.counters) if self.drafter is not None else {}
         while st.new_tokens < max_tokens:
             room = max_tokens - st.new_tokens - 1  # the cycle's own token always fits
             g = min(self.gamma_policy.draft_length(), room) if self.drafter else 0
@@ -94,6 +99,8 @@ class Engine:
             self.gamma_policy.update(outcome)
             if self.drafter is not None:
                 self.drafter.feedback(seq, outcome)
+                st.levels = {k: v - base.get(k, 0) for k, v in self.drafter.counters.items()}
+                st.guard_stop = getattr(self.gamma_policy, "tripped_at", None)
             for i, tok in enumerate(draft.tokens[:outcome.accepted] + [outcome.next_token]):
                 seq.append(tok)
                 st.new_tokens += 1

@@ -31,6 +31,10 @@ TIE_MARGIN = 1.01
 # Draft-free drafters (suffix) size each draft themselves, up to this.
 GAMMA_MAX = 8  # the longest model draft: what a plan predicts for and an adaptive length may reach
 SUFFIX_GAMMA_MAX = 32
+# RateGuard: a planned answer stops drafting when, after this many drafting cycles, its drafting runs below
+# this share of the parent's own rate (the margin covers the VM's minute-to-minute drift of 10-30 %).
+GUARD_MIN_CYCLES = 6
+GUARD_RATIO = 0.9
 
 
 def verify_shape(n: int) -> float:
@@ -155,3 +159,49 @@ class AdaptiveGamma:
 
     def __repr__(self) -> str:
         return f"adaptive(gamma={self.gamma}, alpha={self.alpha:.2f})"
+
+
+class RateGuard:
+    """A plan's safety net within an answer: wraps the plan's γ policy and, once the answer's drafting has run
+    GUARD_MIN_CYCLES cycles at a rate below GUARD_RATIO of the parent's alone, drafts nothing more in it (the
+    parent alone for the rest). The parent's rate is measured in the same answer when it has run plain parent
+    steps (cycles without a draft: same machine, same moment), else predicted by `parent_step_s(position)`
+    (this machine's calibrated one-token call at that context position). The planner then learns the answer's
+    measured speedup as for any other answer."""
+
+    def __init__(self, inner, parent_step_s: Callable[[int], float], position: int):
+        self.inner = inner
+        self.parent_step_s = parent_step_s
+        self.position = position
+        self.tripped_at: Optional[int] = None  # tokens into the answer when drafting stopped
+        self._tokens = 0  # tokens of drafting cycles
+        self._seconds = 0.0
+        self._cycles = 0
+        self._plain: list[float] = []  # one-token parent calls measured in this answer
+        self._made = 0
+
+    def draft_length(self) -> int:
+        return 0 if self.tripped_at is not None else self.inner.draft_length()
+
+    def update(self, outcome: CycleOutcome) -> None:
+        self.inner.update(outcome)
+        made = outcome.accepted + 1
+        self._made += made
+        self.position += made
+        if outcome.proposed == 0:
+            self._plain.append(outcome.verify_s)
+            return
+        self._cycles += 1
+        self._tokens += made
+        self._seconds += outcome.draft_s + outcome.verify_s
+        if self.tripped_at is None and self._cycles >= GUARD_MIN_CYCLES and self._seconds > 0:
+            if self._tokens / self._seconds < GUARD_RATIO / self._parent_s():
+                self.tripped_at = self._made
+
+    def _parent_s(self) -> float:
+        if len(self._plain) >= 2:
+            return sorted(self._plain)[len(self._plain) // 2]
+        return self.parent_step_s(self.position)
+
+    def __repr__(self) -> str:
+        return f"guarded({self.inner!r}{', tripped' if self.tripped_at is not None else ''})"

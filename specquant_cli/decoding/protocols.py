@@ -80,7 +80,7 @@ class Drafter(Protocol):
     prompt there); `n_ctx` is the drafter's own context limit (None: unlimited); `feedback` hears how
     each draft fared (as transformers' `update_candidate_strategy`); `source` says where its last proposal
     came from (names.Source: "draft" for a model, "suffix" for a draft-free drafter), read right after
-    `propose`."""
+    `propose`; `counters` are running totals the engine reports per answer (EngineStats.levels)."""
 
     name: str
     source: str
@@ -97,6 +97,12 @@ class Drafter(Protocol):
         ...
 
     def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None: ...
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """Running totals of what drafting did beyond the engine's own counts (a second level's proposals and
+        acceptances, the draft model's calls and seconds); the engine reports their change over an answer."""
+        ...
 
 
 class Verifier(Protocol):

@@ -39,6 +39,15 @@ class DraftHost(Protocol):
         measured costs."""
         ...
 
+    def draft_cost(self, role: str) -> Callable[[int], float]:
+        """A call of `role`'s model on n tokens relative to one token (its measured batch curve, or the
+        prior shape): what a second drafting level weighs its proposals against."""
+        ...
+
+    def memory(self):
+        """The drafting memory of this scope (decoding.memory.DraftMemory), shared by every drafter of it."""
+        ...
+
 
 @dataclass(frozen=True)
 class DrafterSpec:
@@ -81,15 +90,35 @@ def _model(role: str, window: Optional[int] = None, kv_import: bool = True):
 def _suffix(host: DraftHost, target: str) -> Drafter:
     from specquant_cli.decoding.suffix import SuffixDrafter
 
-    return SuffixDrafter(verify_cost=host.verify_cost())
+    return SuffixDrafter(verify_cost=host.verify_cost(), memory=host.memory())
 
 
-def _suffix_then(role: str):
+# The longest run a second level proposes to the draft model: its batch curve is measured up to 8 tokens.
+LEVEL2_MAX = 7
+
+
+def _stacked(role: str, record: bool = True):
+    """`role` drafts, its own steps speculated by suffix drafts over the scope's memory (a second level);
+    `record`: the lower level writes the sequence into the memory (not when a first-level suffix drafter
+    of the same answer does)."""
+    def build(host: DraftHost, target: str) -> Drafter:
+        from specquant_cli.decoding.drafters import StackedDrafter
+        from specquant_cli.decoding.suffix import SuffixDrafter
+
+        lower = SuffixDrafter(LEVEL2_MAX, verify_cost=host.draft_cost(role), memory=host.memory(), record=record)
+        parent = host.context(target) if host.kv_import else None
+        return StackedDrafter(host.context(role), lower, f"stacked-{role}", p_min=host.p_min, parent=parent)
+
+    return build
+
+
+def _suffix_then(role: str, stacked: bool = False):
     def build(host: DraftHost, target: str) -> Drafter:
         from specquant_cli.decoding.drafters import FallbackDrafter
 
-        return FallbackDrafter(host.drafter("suffix", target), _model(role)(host, target),
-                               activate_after=0, model_gamma=host.model_gamma(role))
+        model = _stacked(role, record=False)(host, target) if stacked else _model(role)(host, target)
+        return FallbackDrafter(host.drafter("suffix", target), model, activate_after=0,
+                               model_gamma=host.model_gamma(role))
 
     return build
 
@@ -120,14 +149,22 @@ for _spec in (
 
 
 def register_role_drafters(role: str) -> None:
-    """A draft role's own drafter (`role`) and its mix with suffix drafts (`suffix+role`, for the auto
+    """A draft role's own drafter (`role`), its two-level form (`stacked-role`: its steps speculated by
+    suffix drafts) and their mixes with suffix drafts (`suffix+role`, `suffix+stacked-role`, for the auto
     policy), unless those names are taken. Every non-parent role of a loaded family gets them, so a variant
     made by `quantize --grade BPW --role NAME` drafts like the built-in ones (`spec-NAME`, auto)."""
-    if role not in DRAFTERS:
-        register_drafter(DrafterSpec(role, (role,), _model(role), help=f"the {role} variant drafts"))
-    if f"suffix+{role}" not in DRAFTERS:
-        register_drafter(DrafterSpec(f"suffix+{role}", (role,), _suffix_then(role),
-                                     help=f"suffix drafts on copy runs, {role} drafts (own adaptive length) elsewhere"))
+    rows = (
+        (role, _model(role), f"the {role} variant drafts"),
+        (f"stacked-{role}", _stacked(role), f"{role} drafts, its own steps speculated by suffix drafts (a second "
+                                            f"level {role} verifies in one call)"),
+        (f"suffix+{role}", _suffix_then(role), f"suffix drafts on copy runs, {role} drafts (own adaptive length) "
+                                               "elsewhere"),
+        (f"suffix+stacked-{role}", _suffix_then(role, stacked=True),
+         f"suffix drafts on copy runs, stacked {role} drafts (own adaptive length) elsewhere"),
+    )
+    for name, build, help_ in rows:
+        if name not in DRAFTERS:
+            register_drafter(DrafterSpec(name, (role,), build, help=help_))
 
 
 for _role in builtin_draft_roles():

@@ -38,6 +38,11 @@ MODEL_MARGIN = 1.03
 # above q4's plan of the same kind to replace it: with six drafts to choose from, the best-looking of several
 # small-sample estimates is optimistic (the winner's curse).
 RECIPE_MARGIN = 1.03
+# A second drafting level (`stacked-<role>`: suffix proposals the draft model verifies in one call) is priced
+# from the draft's measured batch curve: a proposal is on offer at a share of the draft's steps equal to the
+# prompt's copy potential, and each proposed token is kept with LEVEL2_ALPHA until the first miss. Like a
+# recipe, it must be predicted RECIPE_MARGIN above q4's plan of the same kind to replace it.
+LEVEL2_ALPHA = 0.7
 
 
 def copy_potential(tokens: Sequence[int], n: int = 3) -> float:
@@ -108,13 +113,35 @@ def copy_gain(calibration) -> float:
     return COPY_GAIN * min(1.0, single.verify_cost(COPY_SCORED) / calibration.verify_cost(COPY_SCORED))
 
 
+def stacked_step(calibration, role: str, copy: float) -> Optional[float]:
+    """A draft step with a second level, relative to the plain step: the cheapest mix over proposal lengths k
+    of a plain step (no proposal on offer) and a call on 1 + k tokens that yields the kept proposals too.
+    None when the draft's batch curve was not measured."""
+    from specquant_cli.decoding.registry import LEVEL2_MAX
+
+    calls = getattr(calibration, "draft_call_s", {}).get(role) if calibration is not None else None
+    if not calls:
+        return None
+    step = calibration.draft_call(role, 1)
+    best = 1.0
+    for k in range(1, LEVEL2_MAX + 1):
+        tokens = 1.0 + copy * (expected_tokens(LEVEL2_ALPHA, k) - 1.0)
+        cost = (1.0 - copy) * step + copy * calibration.draft_call(role, 1 + k)
+        best = min(best, cost / step / tokens)
+    return best
+
+
 def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
-               state: Optional[AutoState] = None) -> list[Candidate]:
+               state: Optional[AutoState] = None, position: int = 0) -> list[Candidate]:
     """Every plan's predicted decode speedup, best first: the parent, suffix drafts, each model draft the
     family has (q4 and q8 from priors when uncalibrated; any other draft role, e.g. the recipes q4i, q3g,
-    only once this machine's calibration has measured it) and suffix drafts mixed with each of those."""
+    only once this machine's calibration has measured it), its two-level form when its batch curve is
+    measured, and suffix drafts mixed with each of those. Costs are taken at context `position` where the
+    calibration measured how they grow with it."""
     from specquant_cli.decoding.registry import DRAFTERS, model_draft_roles
 
+    if calibration is not None and position and hasattr(calibration, "at"):
+        calibration = calibration.at(position)
     vc = calibration.verify_cost if calibration else verify_shape
     out = [Candidate("parent", None, 1.0, 0, "the floor: F16 alone")]
     suffix = 1.0 / (copy / copy_gain(calibration) + (1.0 - copy))
@@ -131,11 +158,15 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
         s, g = _model_speedup(alpha, cycle, vc, runs)
         out.append(Candidate(role, role, s, g, f"{role} step {ratio:.2f}x a parent step, acceptance prior "
                                                f"{alpha:.0%}, best draft length {g}", needs=MODEL_MARGIN, model=True))
-        if f"suffix+{role}" in DRAFTERS:
-            # suffix drafts cover the copy share of the answer, the model's drafts the rest: time per token adds up
-            mix = 1.0 / (copy / COPY_GAIN + (1.0 - copy) / s) if s > 1.0 else suffix
-            out.append(Candidate(f"suffix+{role}", f"suffix+{role}", mix, g,
-                                 f"suffix drafts on copy runs, {role} elsewhere", needs=MODEL_MARGIN))
+        out += _mixed(role, s, g, copy, suffix)
+        stacked = stacked_step(calibration, role, copy) if role in measured else None
+        if stacked is not None and f"stacked-{role}" in DRAFTERS:
+            s2, g2 = _model_speedup(alpha, lambda g, r=role, k=stacked: calibration.draft_cycle(r, g) * k, vc, runs)
+            out.append(Candidate(f"stacked-{role}", f"stacked-{role}", s2, g2, f"{role} drafts, its steps "
+                                 f"speculated by suffix proposals ({stacked:.2f}x the cost of a plain step at copy "
+                                 f"potential {copy:.2f}), best draft length {g2}",
+                                 needs=MODEL_MARGIN, model=True))
+            out += _mixed(f"stacked-{role}", s2, g2, copy, suffix)
     if state:
         for c in out:
             m = state.measured.get((tier, c.name))
@@ -145,8 +176,20 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
     return sorted(out, key=lambda c: -c.predicted)
 
 
+def _mixed(name: str, s: float, g: int, copy: float, suffix: float) -> list[Candidate]:
+    """`suffix+name`: suffix drafts cover the copy share of the answer, `name`'s drafts (predicted `s`) the
+    rest; time per token adds up."""
+    from specquant_cli.decoding.registry import DRAFTERS
+
+    if f"suffix+{name}" not in DRAFTERS:
+        return []
+    mix = 1.0 / (copy / COPY_GAIN + (1.0 - copy) / s) if s > 1.0 else suffix
+    return [Candidate(f"suffix+{name}", f"suffix+{name}", mix, g, f"suffix drafts on copy runs, {name} elsewhere",
+                      needs=MODEL_MARGIN)]
+
+
 def _raise_recipe_bars(cands: list[Candidate]) -> None:
-    """A recipe draft (alone or mixed) must beat q4's plan of the same kind by RECIPE_MARGIN."""
+    """A recipe draft or a two-level one (alone or mixed) must beat q4's plan of the same kind by RECIPE_MARGIN."""
     by = {c.name: c for c in cands}
     for c in cands:
         role = c.name.removeprefix("suffix+")
@@ -179,7 +222,7 @@ class AutoPlanner:
 
     def plan(self, ctx: PlanContext) -> Plan:
         self._calibration = ctx.calibration
-        cands = candidates(ctx.tier or "high", ctx.copy, ctx.roles, ctx.calibration, self.state)
+        cands = candidates(ctx.tier or "high", ctx.copy, ctx.roles, ctx.calibration, self.state, ctx.position)
         best = choose(cands)
         why = f"{best.name} predicted {best.predicted:.2f}x ({best.source}): {best.why}"
         if best.drafter is None:

@@ -21,14 +21,16 @@ GammaPolicyKind = Literal["none", "fixed", "adaptive", "calibrated", "capped"]
 @dataclass
 class PlanContext:
     """What a planner sees of one prompt: its route, copy potential, the roles it may pick (the family's,
-    those that fit) and this machine's measured costs (None: uncalibrated). What the session has measured
-    so far is the planner's own state."""
+    those that fit), this machine's measured costs (None: uncalibrated) and the context position the answer
+    will mostly decode at (`position`: attention costs grow with it). What the session has measured so far is
+    the planner's own state."""
 
     policy: str
     tier: Optional[Tier]
     copy: float = 0.0
     roles: tuple[str, ...] = ()
     calibration: object = None
+    position: int = 0
 
 
 class Planner(Protocol):

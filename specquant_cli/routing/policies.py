@@ -79,14 +79,19 @@ def register_policy(spec: PolicySpec) -> PolicySpec:
 
 for _spec in (
     PolicySpec("auto", "per prompt, the plan with the best predicted speedup from this machine's measured "
-               "costs, the route and the prompt's copy potential (parent, `suffix`, each model draft the family has — "
-               "`q4`, `q8`, recipes such as `q4i` — and `suffix+<draft>`); "
-               "never one predicted below 1.0x", planner=_auto_planner, roles=STANDARD_DRAFTS),
+               "costs at the prompt's context position, the route and the prompt's copy potential (parent, `suffix`, "
+               "each model draft the family has — `q4`, `q8`, recipes such as `q4i` —, its two-level form "
+               "`stacked-<draft>` once its batch curve is measured, and `suffix+` each); never one predicted below "
+               "1.0x, and an answer whose drafting runs below the parent's rate goes on with the parent alone",
+               planner=_auto_planner, roles=STANDARD_DRAFTS),
     PolicySpec("paper", "low → `q4` drafts, F16 verifies; medium → `q8` drafts, F16 verifies; high → F16 alone",
                by_tier={"low": "q4", "medium": "q8", "high": None}),
     PolicySpec("parent", "F16 alone"),
     PolicySpec("spec-q4", "`q4` drafts, F16 verifies", drafter="q4"),
     PolicySpec("spec-q8", "`q8` drafts, F16 verifies", drafter="q8"),
+    PolicySpec("stacked-q4", "`q4` drafts with its own steps speculated by suffix drafts over the drafting memory "
+               "(a second level `q4` verifies in one call), F16 verifies", drafter="stacked-q4",
+               gamma_policy="calibrated", in_bench=False),
     PolicySpec("spec-q4-prefill", "`q4` drafts after its own prompt prefill (no KV import), F16 verifies",
                drafter="q4-prefill", in_bench=False),
     *_recipe_policies(),

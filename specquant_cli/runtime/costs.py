@@ -5,6 +5,7 @@ policy a plan names. `BatchCosts` is the same model as one of B sequences decode
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 from specquant_cli.decoding.gamma import (
     CALIBRATED_PRIOR_COUNTS,
@@ -13,6 +14,7 @@ from specquant_cli.decoding.gamma import (
     AdaptiveGamma,
     FixedGamma,
 )
+from specquant_cli.decoding.registry import drafter_spec
 from specquant_cli.errors import InputError, ResourceError
 from specquant_cli.family.roles import PARENT_ROLE
 from specquant_cli.reporting import SILENT, Reporter
@@ -122,13 +124,33 @@ class CostModel:
                              draft_prior=draft, alpha_prior=alpha,
                              prior_counts=CALIBRATED_PRIOR_COUNTS if measured else PRIOR_PSEUDO_COUNTS)
 
+    def parent_step_s(self) -> Optional[Callable[[int], float]]:
+        """Seconds of a one-token parent call at a context position (calibrated against the position when
+        measured), for the sequences these costs are for; None when uncalibrated."""
+        c = self.calibration(measure=False)
+        if c is None:
+            return None
+        at = getattr(c, "call_s_at", None)
+        return (lambda pos: at(1, pos)) if at is not None else (lambda pos: c.call_s(1))
+
+    def draft_cost(self, role: str) -> Callable[[int], float]:
+        """A call of `role`'s model on n tokens relative to one token: its measured batch curve, else the
+        prior shape (decoding.gamma.verify_shape)."""
+        from specquant_cli.decoding.gamma import verify_shape
+
+        c = self.calibration(measure=False)
+        one = c.draft_call(role, 1) if c is not None and hasattr(c, "draft_call") else None
+        if not one:
+            return verify_shape
+        return lambda n: c.draft_call(role, n) / one
+
     def gamma_policy(self, plan: Plan):
         """The draft-length policy `plan.gamma_policy` names (routing.plan.GammaPolicyKind)."""
         kind = plan.gamma_policy
         if kind == "capped":
             return FixedGamma(plan.gamma_cap)  # the drafter sizes its drafts itself, up to the cap
         if kind == "calibrated":
-            return self.model_gamma(plan.drafter)
+            return self.model_gamma(drafter_spec(plan.drafter).roles[0])
         if kind == "adaptive":
             return AdaptiveGamma(gamma_max=max(GAMMA_MAX, self.gamma), gamma_init=self.gamma)
         return FixedGamma(0 if kind == "none" else self.gamma)
