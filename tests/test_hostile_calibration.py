@@ -211,6 +211,11 @@ BAD_ENTRIES = {  # name -> (mutation of the stored file's data, a phrase of the 
     "bad-role-name": (_bad_role, "not a role name"),
     "left-out-numbers": (_set(("left_out",), [1, 2]), "left_out holds something other than role names"),
     "older-schema": (_older_schema, "measured by another version"),
+    "draft-call-nan": (_set(("draft_call_s", "q4", "8"), math.nan), "q4 draft_call_s[8] is nan"),
+    "draft-call-size-9": (_set(("draft_call_s", "q4", "9"), 0.01), "q4 draft_call_s has the size '9'"),
+    "missing-deep-calls": (_drop("deep_call_s"), "deep_call_s missing"),
+    "deep-pos-negative": (_set(("deep_pos",), -5), "deep_pos -5 is not a position"),
+    "import-zero": (_set(("import_s", "q4", "64"), 0), "q4 import_s[64] 0 s is not a timing"),
 }
 
 

@@ -522,7 +522,8 @@ def test_a_calibration_with_an_impossible_timing_is_refused(step):
     from specquant_cli.system.calibration import entry_problem
 
     entry = {"parent_call_s": {"1": step}, "draft_step_s": {}, "prefill_token_s": {}, "agreement": {},
-             "tokens_per_cycle": {}, "draft_pair_s": {}, "fingerprint": {}, "measured_at": "", "left_out": []}
+             "tokens_per_cycle": {}, "draft_pair_s": {}, "fingerprint": {}, "measured_at": "", "left_out": [],
+             "draft_call_s": {}, "deep_call_s": {}, "deep_pos": 0, "import_s": {}}
     assert "not a timing" in entry_problem(entry)
 
 

@@ -1,7 +1,16 @@
-"""What this machine's calls cost for a family: the parent's call on 1..16 tokens, each draft role's
-one-token step (every model draft the family has: q4, q8 and recipes such as q4i, q3g), prefill per token.
-Measured once (a few seconds on the demo family), cached in the family
-folder keyed by a hardware fingerprint and the llama-cpp-python version, read by the `auto` policy."""
+"""What this machine's calls cost for a family, measured once and read by the `auto` policy:
+
+- the parent's call on 1..MAX_BATCH tokens, and each draft role's call on 1..DRAFT_BATCH tokens (every model
+  draft the family has: q4, q8 and recipes such as q4i, q3g), each after the same 64-token synthetic prompt;
+- each draft role's one-token step and its two-token catch-up call ("pair");
+- prefill per prompt token, for every role;
+- the same calls on 1, 4 and 8 tokens deep in the context (DEEP_POS positions, or fewer in a small
+  context): attention reads every cached position, so a call costs more the longer the text before it;
+- the seconds a draft takes to import the parent's KV cache, at 64 positions and at the deep one;
+- how often each draft's greedy token agrees with the parent's own answers.
+
+A few seconds on the demo family (about 20 s more for the deep positions on a 1.5B family); cached in
+the family folder keyed by a hardware fingerprint and the llama-cpp-python version."""
 
 from __future__ import annotations
 
@@ -19,12 +28,18 @@ from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import InputError
-from specquant_cli.family.roles import is_role_name
+from specquant_cli.family.roles import PARENT_ROLE, is_role_name
 from specquant_cli.fsutil import create_temp, write_json_atomic
 
 CALIBRATION_FILE = "calibration.json"
-SCHEMA = 4  # part of the cache key: an entry measured by an older version is measured again
+SCHEMA = 5  # part of the cache key: an entry measured by an older version is measured again
 MAX_BATCH = 16  # parent call sizes measured: 1..MAX_BATCH tokens
+DRAFT_BATCH = 8  # draft call sizes measured: 1..DRAFT_BATCH tokens (a draft verifying another's proposals)
+DEEP_POS = 1024  # the deep position measured, when the context has room for it and a call after it
+DEEP_MIN = 256  # a context with less room than this is not measured deep (too close to PREFILL_TOKENS)
+DEEP_SIZES = (1, 4, 8)  # call sizes measured at the deep position
+DEEP_REPEATS = 3  # the fastest of this many timings per deep call size and per import
+MAX_DEEP_POS = 1 << 20  # a stored deep position beyond this is not one any context holds
 REPEATS = 5  # the fastest of this many timings per size: other work on the machine only adds time
 PREFILL_TOKENS = 64
 DRAFT_STEPS = 8
@@ -89,15 +104,18 @@ class Calibration:
     fingerprint: dict = field(default_factory=dict)
     measured_at: str = ""
     left_out: list[str] = field(default_factory=list)  # draft roles not measured (no memory for them beside the rest)
+    # role -> tokens in one draft call (1..DRAFT_BATCH) -> seconds, after PREFILL_TOKENS positions: what a
+    # draft pays to verify several proposed tokens in one call (a second drafting level)
+    draft_call_s: dict[str, dict[int, float]] = field(default_factory=dict)
+    # role (the parent's too) -> tokens in one call (DEEP_SIZES) -> seconds, after deep_pos positions
+    deep_call_s: dict[str, dict[int, float]] = field(default_factory=dict)
+    deep_pos: int = 0  # the position deep_call_s was measured at; 0: not measured (the context was too small)
+    # draft role -> positions in the parent's cache -> seconds to export it and import it into the draft's
+    import_s: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def verify_cost(self, n: int) -> float:
         """A parent call on n tokens, relative to a one-token call (linear beyond the measured sizes)."""
-        c = self.parent_call_s
-        if n in c:
-            return c[n] / c[1]
-        top = max(c)
-        slope = (c[top] - c[top // 2]) / max(1, top - top // 2)
-        return (c[top] + slope * (n - top)) / c[1]
+        return _curve_at(self.parent_call_s, n) / self.parent_call_s[1]
 
     def draft_ratio(self, role: str) -> Optional[float]:
         """A draft step relative to a one-token parent call."""
@@ -121,6 +139,57 @@ class Calibration:
         """Seconds of a parent call on n tokens (linear beyond the measured sizes)."""
         return self.verify_cost(n) * self.parent_call_s[1]
 
+    def draft_call(self, role: str, n: int) -> Optional[float]:
+        """Seconds of one call of the draft `role` on n tokens (linear beyond the measured sizes). Data
+        measured before draft calls were (only a one-token step): the step times the prior shape of a
+        call's cost by size. None when the role was not measured."""
+        curve = self.draft_call_s.get(role)
+        if curve:
+            return _curve_at(curve, n)
+        if role in self.draft_step_s:
+            from specquant_cli.decoding.gamma import verify_shape
+
+            return self.draft_step_s[role] * verify_shape(n)
+        return None
+
+    def depth_factor(self, role: str, n: int, pos: int) -> float:
+        """A call of `role` on n tokens after `pos` positions, relative to the same call after
+        PREFILL_TOKENS: linear in pos through 1.0 at PREFILL_TOKENS and the measured factor at deep_pos
+        (for a size not measured deep, the factor interpolated between the measured sizes, the nearest one
+        beyond them), extrapolated beyond deep_pos. Never below 1.0 (a call does not get cheaper with more
+        text before it: a measured factor below 1 is noise), 1.0 up to PREFILL_TOKENS and when the role was
+        not measured deep. On a batch view, the figures of one sequence alone."""
+        deep = self._deep_factors(role)
+        if not deep or self.deep_pos <= PREFILL_TOKENS:
+            return 1.0
+        at_deep = max(1.0, _interpolate(deep, n))
+        return 1.0 + (at_deep - 1.0) * max(0, pos - PREFILL_TOKENS) / (self.deep_pos - PREFILL_TOKENS)
+
+    def _deep_factors(self, role: str) -> dict[int, float]:
+        """Call size -> the deep call's cost over the same call after PREFILL_TOKENS, where both were measured."""
+        own = self.single or self
+        base = own.parent_call_s if role == PARENT_ROLE else own.draft_call_s.get(role, {})
+        deep = own.deep_call_s.get(role, {})
+        return {n: deep[n] / base[n] for n in deep if n in base}
+
+    def call_s_at(self, n: int, pos: int) -> float:
+        """Seconds of a parent call on n tokens after `pos` positions (call_s scaled by depth_factor; on a
+        batch view, the factor of the whole batch's call)."""
+        return self.call_s(n) * self.depth_factor(PARENT_ROLE, n * self.batch, pos)
+
+    def import_cost(self, role: str, n_tokens: int) -> Optional[float]:
+        """Seconds for the draft `role` to import the parent's cache of n_tokens positions: linear through
+        the measured lengths (in proportion to the one length when only one was measured); never falling
+        with length. None when the role's import was not measured (refused, or not tried)."""
+        points = self.import_s.get(role)
+        if not points:
+            return None
+        lo, hi = min(points), max(points)
+        if lo == hi:
+            return points[lo] * n_tokens / lo
+        slope = max(0.0, (points[hi] - points[lo]) / (hi - lo))
+        return max(0.0, points[lo] + slope * (n_tokens - lo))
+
     def for_batch(self, b: int) -> Calibration:
         """The costs one of `b` sequences decoding together sees: a parent call with n tokens for each costs
         call(b * n), shared b ways; a draft step costs what it costs alone. Concurrent requests' draft steps
@@ -139,13 +208,60 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, d: dict) -> Calibration:
-        return cls({int(k): float(v) for k, v in d["parent_call_s"].items()},
-                   {k: float(v) for k, v in d.get("draft_step_s", {}).items()},
-                   {k: float(v) for k, v in d.get("prefill_token_s", {}).items()},
-                   {k: float(v) for k, v in d.get("agreement", {}).items()},
-                   {k: [float(x) for x in v] for k, v in d.get("tokens_per_cycle", {}).items()},
-                   {k: float(v) for k, v in d.get("draft_pair_s", {}).items()},
-                   d.get("fingerprint", {}), d.get("measured_at", ""), [str(r) for r in d.get("left_out", [])])
+        """From a stored entry (JSON: call sizes and positions as strings); fields it lacks take their defaults."""
+        return cls(parent_call_s=_sized(d["parent_call_s"]),
+                   draft_step_s=_per_role(d.get("draft_step_s", {})),
+                   prefill_token_s=_per_role(d.get("prefill_token_s", {})),
+                   agreement=_per_role(d.get("agreement", {})),
+                   tokens_per_cycle={k: [float(x) for x in v] for k, v in d.get("tokens_per_cycle", {}).items()},
+                   draft_pair_s=_per_role(d.get("draft_pair_s", {})),
+                   fingerprint=d.get("fingerprint", {}), measured_at=d.get("measured_at", ""),
+                   left_out=[str(r) for r in d.get("left_out", [])],
+                   draft_call_s={k: _sized(v) for k, v in d.get("draft_call_s", {}).items()},
+                   deep_call_s={k: _sized(v) for k, v in d.get("deep_call_s", {}).items()},
+                   deep_pos=int(d.get("deep_pos", 0)),
+                   import_s={k: _sized(v) for k, v in d.get("import_s", {}).items()})
+
+
+def _sized(d: dict) -> dict[int, float]:
+    """{size or position: seconds} with integer keys (JSON stores them as strings)."""
+    return {int(k): float(v) for k, v in d.items()}
+
+
+def _per_role(d: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in d.items()}
+
+
+def _curve_at(curve: dict[int, float], n: int) -> float:
+    """A measured cost curve (call size -> seconds) at n: the measured figure, else the line through the
+    largest size and half of it (the calls grow linearly once the matrix kernels are saturated)."""
+    if n in curve:
+        return curve[n]
+    top = max(curve)
+    half = max((k for k in curve if k <= top // 2), default=top)
+    slope = (curve[top] - curve[half]) / (top - half) if half < top else 0.0
+    return curve[top] + slope * (n - top)
+
+
+def _interpolate(points: dict[int, float], x: int) -> float:
+    """Piecewise-linear through `points` at x; the nearest end's value beyond them."""
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    if x >= xs[-1]:
+        return points[xs[-1]]
+    hi = next(k for k in xs if k >= x)
+    lo = max(k for k in xs if k < x)
+    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+
+
+def _monotone(curve: dict[int, float]) -> dict[int, float]:
+    """A call on fewer tokens cannot cost more than one on more: each size's figure capped by the next."""
+    out = dict(curve)
+    sizes = sorted(out)
+    for small, big in zip(reversed(sizes[:-1]), reversed(sizes[1:])):
+        out[small] = min(out[small], out[big])
+    return out
 
 
 def _timed(ctx, tokens, logits: str = "all") -> float:
@@ -204,11 +320,41 @@ def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
     """Time the calls on real contexts (`ctx_for(role)`), each after the same synthetic prompt.
 
     The machine's speed drifts between minutes, so every round times every parent call size and every
-    draft step back to back (ratios between them are what the cost model uses), and the fastest of
-    REPEATS rounds is kept for each (other work on the machine only ever adds time)."""
+    draft call back to back (ratios between them are what the cost model uses), and the fastest of
+    REPEATS rounds is kept for each (other work on the machine only ever adds time). Then the calls deep
+    in the context, the drafts' imports of the parent's cache, and the agreement pass."""
+    roles = [parent, *drafts]
     pctx = ctx_for(parent)
-    prompt = [(7 + 13 * i) % pctx.model.n_vocab for i in range(PREFILL_TOKENS)]
-    steps = REPEATS + 2 * (1 + len(drafts)) - 1
+    deep_pos = deep_position(min(ctx_for(r).n_ctx for r in roles))
+    lengths = (PREFILL_TOKENS, deep_pos) if deep_pos else (PREFILL_TOKENS,)
+    deep_ticks = len(roles) if deep_pos else 0
+    # ticks: prefill per role, rounds, deep calls per role, imports per length, parent answers, agreement per draft
+    tick = _ticker(progress, len(roles) + REPEATS + deep_ticks + len(lengths) + 1 + len(drafts))
+    prompt = synthetic_prompt(pctx.model.n_vocab, max(PREFILL_TOKENS, deep_pos))
+    prefill = _time_prefill(ctx_for, roles, prompt[:PREFILL_TOKENS], tick)
+    calls, steps_s, pairs, draft_calls = _time_rounds(ctx_for, parent, drafts, prompt[:PREFILL_TOKENS], tick)
+    deep = {role: _time_deep(ctx_for(role), prompt[:deep_pos], tick, role) for role in roles} if deep_pos else {}
+    imports = _time_imports(ctx_for, parent, drafts, [prompt[:n] for n in lengths], tick)
+    agree, cycles = _agreement(ctx_for, parent, drafts, tick)
+    return Calibration(calls, steps_s, prefill, agree, cycles, pairs,
+                       measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       draft_call_s=draft_calls, deep_call_s=deep, deep_pos=deep_pos, import_s=imports)
+
+
+def deep_position(n_ctx: int) -> int:
+    """Where the deep calls are measured in a context of n_ctx positions: DEEP_POS, or less where the
+    context could not hold a parent call after it; 0 (not measured) when that is below DEEP_MIN."""
+    pos = min(DEEP_POS, n_ctx - MAX_BATCH - 8)
+    return pos if pos >= DEEP_MIN else 0
+
+
+def synthetic_prompt(n_vocab: int, n: int) -> list[int]:
+    """n token ids spread over the vocabulary: every measured call reads the same text (a prefix of it)."""
+    return [(7 + 13 * i) % n_vocab for i in range(n)]
+
+
+def _ticker(progress: Optional[Callable[[str, int, int], None]], steps: int) -> Callable[[str], None]:
+    """tick(what): one of `steps` steps done, reported to `progress` (when there is one)."""
     done = 0
 
     def tick(what: str) -> None:
@@ -217,29 +363,109 @@ def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
         if progress:
             progress(what, done, steps)
 
+    return tick
+
+
+def _time_prefill(ctx_for, roles: list[str], prompt: list[int], tick) -> dict[str, float]:
+    """Role -> seconds per prompt token; each context left holding `prompt`. One tick per role."""
     prefill = {}
-    for role in [parent, *drafts]:  # the first pass touches every weight (a cold model reads from disk)
+    for role in roles:  # the first pass touches every weight (a cold model reads from disk)
         ctx = ctx_for(role)
         ctx.reset()
         ctx.decode(prompt, logits="last")
         ctx.reset()
         prefill[role] = _timed(ctx, prompt, "last") / len(prompt)
         tick(f"{role} prefill")
+    return prefill
+
+
+def _time_rounds(ctx_for, parent: str, drafts: list[str], prompt: list[int], tick):
+    """REPEATS rounds, each timing every parent call size, every draft call size, draft steps and pairs;
+    the fastest of each kept, the call curves made monotone. Each context holds `prompt` on entry. Returns
+    (parent calls, draft steps, draft pairs, draft calls). One tick per round."""
+    pctx = ctx_for(parent)
     calls = {n: float("inf") for n in range(1, MAX_BATCH + 1)}
     steps_s = {role: float("inf") for role in drafts}
     pairs = {role: float("inf") for role in drafts}
+    draft_calls = {role: {n: float("inf") for n in range(1, DRAFT_BATCH + 1)} for role in drafts}
     for r in range(REPEATS):
         for n in calls:
             pctx.rewind(len(prompt))
             calls[n] = min(calls[n], _timed(pctx, prompt[:n]))
         for i, role in enumerate(drafts):
             dctx = ctx_for(role)
+            for n in draft_calls[role]:
+                dctx.rewind(len(prompt))
+                draft_calls[role][n] = min(draft_calls[role][n], _timed(dctx, prompt[:n]))
             for k in range(DRAFT_STEPS):
                 steps_s[role] = min(steps_s[role], _timed(dctx, [prompt[(r * DRAFT_STEPS + k + i) % len(prompt)]]))
             pairs[role] = min(pairs[role], _timed(dctx, prompt[r:r + 2]))
         tick(f"timing round {r + 1}")
-    for n in range(MAX_BATCH - 1, 0, -1):  # a call on fewer tokens cannot cost more than one on more
-        calls[n] = min(calls[n], calls[n + 1])
+    return _monotone(calls), steps_s, pairs, {role: _monotone(c) for role, c in draft_calls.items()}
+
+
+def _time_deep(ctx, prompt: list[int], tick, role: str) -> dict[int, float]:
+    """Call size (DEEP_SIZES) -> seconds of a call after all of `prompt` (prefilled once, without logits),
+    the fastest of DEEP_REPEATS, made monotone. The context is left holding `prompt`. One tick."""
+    ctx.sync(prompt, logits="none")
+    best = {n: float("inf") for n in DEEP_SIZES}
+    for _ in range(DEEP_REPEATS):
+        for n in DEEP_SIZES:
+            ctx.rewind(len(prompt))
+            best[n] = min(best[n], _timed(ctx, prompt[:n]))
+    ctx.rewind(len(prompt))
+    tick(f"{role} at position {len(prompt)}")
+    return _monotone(best)
+
+
+def _time_imports(ctx_for, parent: str, drafts: list[str], prompts: list[list[int]],
+                  tick) -> dict[str, dict[int, float]]:
+    """Draft role -> positions -> seconds to export the parent's cache holding each prompt and import it into
+    the draft's context (what ModelDrafter pays instead of a prefill), the fastest of DEEP_REPEATS. A role
+    whose context refuses the parent's state at any length is left out. The longest prompt first (the
+    parent holds it after the deep calls: no second prefill). Every context is reset after. One tick per
+    prompt."""
+    from specquant_cli.backend.llama import LlamaError
+
+    pctx = ctx_for(parent)
+    seconds: dict[str, dict[int, float]] = {role: {} for role in drafts}
+    refused: set[str] = set()
+    for prompt in sorted(prompts, key=len, reverse=True):
+        pctx.sync(prompt, logits="none")
+        for role in drafts:
+            try:
+                t = None if role in refused else _time_import(pctx, ctx_for(role), prompt)
+            except LlamaError:  # the parent's state could not be exported
+                t = None
+            if t is None:
+                refused.add(role)
+            else:
+                seconds[role][len(prompt)] = t
+        tick(f"imports at position {len(prompt)}")
+    pctx.reset()
+    return {role: s for role, s in seconds.items() if role not in refused}
+
+
+def _time_import(pctx, dctx, tokens: list[int]) -> Optional[float]:
+    """The fastest of DEEP_REPEATS exports of `pctx`'s cache (holding `tokens`) imported into `dctx`; None
+    when `dctx` refuses it. `dctx` is reset after."""
+    best = float("inf")
+    try:
+        for _ in range(DEEP_REPEATS):
+            dctx.reset()
+            t0 = time.perf_counter()
+            if not dctx.import_state(pctx.export_state(), tokens):
+                return None
+            best = min(best, time.perf_counter() - t0)
+        return best
+    finally:
+        dctx.reset()
+
+
+def _agreement(ctx_for, parent: str, drafts: list[str], tick) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Role -> argmax agreement with the parent's own greedy answers, and expected tokens per cycle for draft
+    lengths 1..MAX_BATCH-1. One tick for the parent's answers, one per draft."""
+    pctx = ctx_for(parent)
     pairs_text = []
     for q in AGREEMENT_PROMPTS:
         prompt = pctx.model.chat_prompt([{"role": "user", "content": q}])
@@ -252,8 +478,7 @@ def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
         agree[role] = round(sum(hits) / max(1, len(hits)), 4)
         cycles[role] = expected_run_tokens(per_prompt, MAX_BATCH - 1)
         tick(f"{role} agreement pass")
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return Calibration(calls, steps_s, prefill, agree, cycles, pairs, measured_at=stamp)
+    return agree, cycles
 
 
 # -- the stored entries: checked on every read ------------------------------------------------------------
@@ -263,7 +488,8 @@ MIN_SECONDS = 1e-6  # nor does any take under a microsecond (a rate from a small
 FIELDS = {  # every key an entry holds, and what its value must be
     "parent_call_s": "object", "draft_step_s": "object", "prefill_token_s": "object", "agreement": "object",
     "tokens_per_cycle": "object", "draft_pair_s": "object", "fingerprint": "object", "measured_at": "string",
-    "left_out": "array",
+    "left_out": "array", "draft_call_s": "object", "deep_call_s": "object", "deep_pos": "number",
+    "import_s": "object",
 }
 _TOL = 1e-3  # the stored run lengths are rounded to 4 decimals
 
@@ -358,6 +584,37 @@ def _check_entry(entry) -> None:
             prev = x
     if not all(isinstance(r, str) for r in entry["left_out"]):
         raise ValueError("left_out holds something other than role names")
+    deep_pos = _check_deep_pos(entry["deep_pos"])
+    _check_curves(entry, "draft_call_s", range(1, DRAFT_BATCH + 1))
+    _check_curves(entry, "deep_call_s", DEEP_SIZES)
+    if entry["deep_call_s"] and not deep_pos:
+        raise ValueError("deep_call_s holds timings but deep_pos is 0 (not measured)")
+    _check_curves(entry, "import_s", range(1, max(PREFILL_TOKENS, deep_pos) + 1))
+
+
+def _check_deep_pos(v) -> int:
+    """deep_pos: a whole number of positions, 0 (not measured) .. MAX_DEEP_POS."""
+    x = _number(v, "deep_pos")
+    if not 0 <= x <= MAX_DEEP_POS or x != int(x):
+        raise ValueError(f"deep_pos {x:g} is not a position (a whole number 0 .. {MAX_DEEP_POS})")
+    return int(x)
+
+
+def _check_curves(entry: dict, name: str, sizes) -> None:
+    """entry[name]: role -> {size as a digit string, one of `sizes`: seconds}."""
+    _roles(entry[name], name)
+    for role, curve in entry[name].items():
+        if not isinstance(curve, dict):
+            raise ValueError(f"{role} {name} is a JSON {_json_type(curve)}, not an object")
+        for k, v in curve.items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 8 and int(k) in sizes):
+                raise ValueError(f"{role} {name} has the size {k[:20]!r}, not one of {_span(sizes)}")
+            _seconds(v, f"{role} {name}[{k}]")
+
+
+def _span(sizes) -> str:
+    """How a set of allowed sizes reads in a message: 1..8, or 1, 4, 8."""
+    return f"{sizes.start}..{sizes.stop - 1}" if isinstance(sizes, range) else ", ".join(map(str, sizes))
 
 
 def _read(path: Path) -> tuple[Optional[dict], Optional[str]]:
