@@ -117,8 +117,7 @@ class ChatSession:
              measure: bool = True, answer_tokens: int = 0) -> tuple[Route, Plan]:
         """Route `text` and plan it. A policy with a planner has the session's planner decide, from the
         prompt's copy potential, the roles it may pick, the machine's calibration (measured on first use
-        unless `measure` is False) and the context position the answer will mostly decode at (the prompt
-        plus half of `answer_tokens`)."""
+        unless `measure` is False), the prompt's length and the answer's (at most `answer_tokens`)."""
         route = self.router.route(text)
         name = policy or self.policy
         rt = self.runtime
@@ -129,7 +128,7 @@ class ChatSession:
 
         tokens = prompt if prompt is not None else rt.tokenizer().tokenize(text, add_bos=False, special=False)
         ctx = PlanContext(name, route.tier, copy_potential(tokens), rt.plannable_roles(),
-                          rt.calibration(measure=measure), position=len(tokens) + answer_tokens // 2)
+                          rt.calibration(measure=measure), len(tokens), answer_tokens)
         return route, plan_for(name, route.tier, ctx, planner)
 
     def messages(self, text: str) -> list[dict]:

@@ -5,17 +5,19 @@ from __future__ import annotations
 import random
 import threading
 import tracemalloc
+from typing import Optional
 
 import numpy as np
 import pytest
 
-from fakes import FakeContext, FakeModel, peaked
 from specquant_cli.decoding.drafters import ModelDrafter, StackedDrafter
 from specquant_cli.decoding.gamma import GUARD_MIN_CYCLES, FixedGamma, RateGuard
 from specquant_cli.decoding.memory import BYTES_PER_TOKEN, DraftMemory, Recorder, tokens_for
 from specquant_cli.decoding.protocols import CycleOutcome
 from specquant_cli.decoding.sampling import GREEDY, SamplingParams
 from specquant_cli.decoding.suffix import SuffixDrafter
+
+from fakes import FakeContext, FakeModel, peaked
 
 
 def flat(n: int) -> float:
@@ -65,7 +67,7 @@ def test_eviction_rebuilds_the_index_and_matches_stay_right():
     mem = DraftMemory(max_tokens=200)
     rng = random.Random(0)
     kept = []
-    for d in range(40):  # many evictions: the index is rebuilt several times
+    for _ in range(40):  # many evictions: the index is rebuilt several times
         doc = [rng.randrange(50_000) for _ in range(60)]
         Recorder(mem).start(doc)
         kept.append(doc)
@@ -233,3 +235,64 @@ def test_the_guard_prices_the_parent_at_the_answers_position():
     for _ in range(GUARD_MIN_CYCLES):
         g.update(_cycle(4, 4, 0.1, 0.1))
     assert seen and seen[0] == 500 + 5 * GUARD_MIN_CYCLES
+
+
+# -- pricing: the second level, the context position, the KV import -----------------------------------------
+def _costs(q4_batch: Optional[dict] = None, deep: Optional[dict] = None, imports: Optional[dict] = None):
+    from specquant_cli.decoding.gamma import expected_tokens, verify_shape
+    from specquant_cli.system.calibration import Calibration
+
+    c = Calibration({n: 0.06 * verify_shape(n) for n in range(1, 17)}, {"q4": 0.025}, {"f16": 0.008, "q4": 0.005},
+                    {"q4": 0.9}, {"q4": [expected_tokens(0.9, g) for g in range(1, 16)]}, {"q4": 0.045})
+    c.draft_call_s = {"q4": q4_batch} if q4_batch else {}
+    if deep:
+        c.deep_call_s, c.deep_pos = deep, 1024
+    c.import_s = imports or {}
+    return c
+
+
+CHEAP_BATCH = {1: 0.025, 2: 0.03, 3: 0.032, 4: 0.034, 5: 0.036, 6: 0.038, 7: 0.04, 8: 0.042}
+STEEP_BATCH = {n: 0.025 * n for n in range(1, 9)}
+
+
+def test_the_second_level_is_priced_from_the_drafts_batch_curve():
+    from specquant_cli.routing import auto
+
+    assert auto.stacked_step(_costs(), "q4", 0.8) is None  # no batch curve measured: not offered
+    assert auto.stacked_step(_costs(CHEAP_BATCH), "q4", 0.0) == 1.0  # nothing to copy: a plain step
+    assert auto.stacked_step(_costs(CHEAP_BATCH), "q4", 0.8) < 0.6
+    assert auto.stacked_step(_costs(STEEP_BATCH), "q4", 0.8) == 1.0  # a call per token either way: no gain
+
+    def by(c, copy):
+        return {x.name: x for x in auto.candidates("medium", copy, ("f16", "q4"), c)}
+
+    cheap, steep = by(_costs(CHEAP_BATCH), 0.8), by(_costs(STEEP_BATCH), 0.8)
+    assert cheap["stacked-q4"].predicted > cheap["q4"].predicted * auto.RECIPE_MARGIN
+    assert "suffix+stacked-q4" in cheap and "stacked-q4" not in by(_costs(), 0.8)
+    assert auto.choose(list(steep.values())).name in ("q4", "suffix+q4", "suffix")  # it must pay to run
+
+
+def test_plans_are_priced_at_the_answers_context_position():
+    from specquant_cli.routing import auto
+
+    # Deep in the context the parent's one-token call costs 2x, its 8-token call 1.2x, the draft's step 1.1x:
+    # drafting pays more there.
+    c = _costs(CHEAP_BATCH, deep={"f16": {1: 0.12, 4: 0.06 * 1.8 * 1.2, 8: 0.06 * 2.1 * 1.2},
+                                  "q4": {1: 0.0275, 4: 0.034 * 1.1, 8: 0.042 * 1.1}})
+    near = {x.name: x.predicted for x in auto.candidates("medium", 0.0, ("f16", "q4"), c, position=64)}
+    far = {x.name: x.predicted for x in auto.candidates("medium", 0.0, ("f16", "q4"), c, position=1024)}
+    assert far["q4"] > near["q4"] and far["parent"] == near["parent"] == 1.0
+    deep = c.at(1024)
+    assert deep.parent_call_s[1] == pytest.approx(0.12) and deep.draft_step_s["q4"] == pytest.approx(0.0275)
+    assert c.at(10) is c
+
+
+def test_a_long_prompts_import_is_charged_to_a_short_answer():
+    from specquant_cli.routing import auto
+
+    c = _costs(imports={"q4": {64: 0.01, 1024: 0.5}})
+    long_answer = {x.name: x.predicted for x in auto.candidates("medium", 0.0, ("f16", "q4"), c, prompt_tokens=1024,
+                                                                answer_tokens=512)}
+    short_answer = {x.name: x.predicted for x in auto.candidates("medium", 0.0, ("f16", "q4"), c,
+                                                                 prompt_tokens=1024, answer_tokens=8)}
+    assert short_answer["q4"] < long_answer["q4"] and short_answer["suffix"] == long_answer["suffix"]

@@ -132,12 +132,14 @@ def stacked_step(calibration, role: str, copy: float) -> Optional[float]:
 
 
 def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
-               state: Optional[AutoState] = None, position: int = 0) -> list[Candidate]:
+               state: Optional[AutoState] = None, position: int = 0, prompt_tokens: int = 0,
+               answer_tokens: int = 0) -> list[Candidate]:
     """Every plan's predicted decode speedup, best first: the parent, suffix drafts, each model draft the
     family has (q4 and q8 from priors when uncalibrated; any other draft role, e.g. the recipes q4i, q3g,
     only once this machine's calibration has measured it), its two-level form when its batch curve is
     measured, and suffix drafts mixed with each of those. Costs are taken at context `position` where the
-    calibration measured how they grow with it."""
+    calibration measured how they grow with it; a model draft's import of the parent's cache of the prompt
+    (`prompt_tokens`), once per answer, is spread over `answer_tokens` where it was measured."""
     from specquant_cli.decoding.registry import DRAFTERS, model_draft_roles
 
     if calibration is not None and position and hasattr(calibration, "at"):
@@ -167,6 +169,7 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
                                  f"potential {copy:.2f}), best draft length {g2}",
                                  needs=MODEL_MARGIN, model=True))
             out += _mixed(f"stacked-{role}", s2, g2, copy, suffix)
+    _charge_imports(out, calibration, prompt_tokens, answer_tokens)
     if state:
         for c in out:
             m = state.measured.get((tier, c.name))
@@ -174,6 +177,21 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
                 c.predicted, c.source = m, "session"
     _raise_recipe_bars(out)
     return sorted(out, key=lambda c: -c.predicted)
+
+
+def _charge_imports(cands: list[Candidate], calibration, prompt_tokens: int, answer_tokens: int) -> None:
+    """Every plan with a model draft imports the parent's cache of the prompt once: its decode speedup over
+    an answer of `answer_tokens` falls by that time (in one-token parent calls), where the import was measured."""
+    from specquant_cli.decoding.registry import DRAFTERS
+
+    if calibration is None or not answer_tokens or not hasattr(calibration, "import_cost"):
+        return
+    for c in cands:
+        spec = DRAFTERS.get(c.drafter) if c.drafter else None
+        cost = calibration.import_cost(spec.roles[0], prompt_tokens) if spec and spec.roles else None
+        if cost and c.predicted > 0:
+            calls = cost / calibration.parent_call_s[1]
+            c.predicted = answer_tokens / (answer_tokens / c.predicted + calls)
 
 
 def _mixed(name: str, s: float, g: int, copy: float, suffix: float) -> list[Candidate]:
@@ -222,7 +240,8 @@ class AutoPlanner:
 
     def plan(self, ctx: PlanContext) -> Plan:
         self._calibration = ctx.calibration
-        cands = candidates(ctx.tier or "high", ctx.copy, ctx.roles, ctx.calibration, self.state, ctx.position)
+        cands = candidates(ctx.tier or "high", ctx.copy, ctx.roles, ctx.calibration, self.state, ctx.position,
+                           ctx.prompt_tokens, ctx.answer_tokens)
         best = choose(cands)
         why = f"{best.name} predicted {best.predicted:.2f}x ({best.source}): {best.why}"
         if best.drafter is None:

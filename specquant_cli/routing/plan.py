@@ -21,16 +21,22 @@ GammaPolicyKind = Literal["none", "fixed", "adaptive", "calibrated", "capped"]
 @dataclass
 class PlanContext:
     """What a planner sees of one prompt: its route, copy potential, the roles it may pick (the family's,
-    those that fit), this machine's measured costs (None: uncalibrated) and the context position the answer
-    will mostly decode at (`position`: attention costs grow with it). What the session has measured so far is
-    the planner's own state."""
+    those that fit), this machine's measured costs (None: uncalibrated), the prompt's length and the answer's
+    (at most: `answer_tokens`). Attention costs grow with the context, and a model draft imports the parent's
+    cache of the prompt once per answer. What the session has measured so far is the planner's own state."""
 
     policy: str
     tier: Optional[Tier]
     copy: float = 0.0
     roles: tuple[str, ...] = ()
     calibration: object = None
-    position: int = 0
+    prompt_tokens: int = 0
+    answer_tokens: int = 0
+
+    @property
+    def position(self) -> int:
+        """Where the answer mostly decodes: after the prompt and half the answer."""
+        return self.prompt_tokens + self.answer_tokens // 2
 
 
 class Planner(Protocol):

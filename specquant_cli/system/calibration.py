@@ -177,6 +177,23 @@ class Calibration:
         batch view, the factor of the whole batch's call)."""
         return self.call_s(n) * self.depth_factor(PARENT_ROLE, n * self.batch, pos)
 
+    def at(self, pos: int) -> Calibration:
+        """These costs after `pos` positions of context: every parent call and draft call scaled by its
+        depth_factor (a batch view stays one, its parent calls scaled as the whole batch's call). Unchanged
+        where nothing was measured deep."""
+        if not self.deep_call_s or pos <= PREFILL_TOKENS:
+            return self
+
+        def scaled(role: str, curve: dict[int, float], per: int = 1) -> dict[int, float]:
+            return {n: s * self.depth_factor(role, n * per, pos) for n, s in curve.items()}
+
+        view = replace(self, parent_call_s=scaled(PARENT_ROLE, self.parent_call_s, self.batch),
+                       draft_step_s={r: s * self.depth_factor(r, 1, pos) for r, s in self.draft_step_s.items()},
+                       draft_pair_s={r: s * self.depth_factor(r, 2, pos) for r, s in self.draft_pair_s.items()},
+                       draft_call_s={r: scaled(r, c) for r, c in self.draft_call_s.items()})
+        view.batch, view.single = self.batch, self.single
+        return view
+
     def import_cost(self, role: str, n_tokens: int) -> Optional[float]:
         """Seconds for the draft `role` to import the parent's cache of n_tokens positions: linear through
         the measured lengths (in proportion to the one length when only one was measured); never falling
