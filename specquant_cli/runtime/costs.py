@@ -125,13 +125,13 @@ class CostModel:
                              prior_counts=CALIBRATED_PRIOR_COUNTS if measured else PRIOR_PSEUDO_COUNTS)
 
     def parent_step_s(self) -> Optional[Callable[[int], float]]:
-        """Seconds of a one-token parent call at a context position (calibrated against the position when
-        measured), for the sequences these costs are for; None when uncalibrated."""
+        """Seconds a sequence waits for one token of the parent alone at a context position (calibrated against
+        the position when measured): one round of the batch these costs are for, which every sequence of it
+        waits out whole; None when uncalibrated."""
         c = self.calibration(measure=False)
         if c is None:
             return None
-        at = getattr(c, "call_s_at", None)
-        return (lambda pos: at(1, pos)) if at is not None else (lambda pos: c.call_s(1))
+        return lambda pos: c.call_s_at(1, pos) * c.batch
 
     def draft_cost(self, role: str) -> Callable[[int], float]:
         """A call of `role`'s model on n tokens relative to one token: its measured batch curve, else the
