@@ -161,3 +161,32 @@ def test_plot_writes_a_png(report, tmp_path):
     out = tmp_path / "speed.png"
     plot(rep["summary"], out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def _rec(policy, tps, dec, lossy=False, levels=None, drafted=0, accepted=0):
+    from specquant_cli.bench.runner import Record
+
+    return Record(item="i", category="c", policy=policy, tier="low", plan="p", lossy=lossy, new_tokens=10,
+                  prompt_tokens=5, total_s=10 / tps, tokens_per_s=tps, decode_tokens_per_s=dec, route_s=0.0,
+                  prefill_s=0.1, parent_prefill_s=0.1, draft_prefill_s=0.0, kv_import_s=0.0, kv_import=None,
+                  draft_s=0.2, verify_s=0.3, drafted=drafted, accepted=accepted, parent_calls=3, finish_reason="length",
+                  identical=None, correct=None, rss_mb=1.0, text="", levels=levels or {})
+
+
+def test_every_lossless_policy_shows_its_share_of_q4_and_its_drafting_levels():
+    from specquant_cli.bench.report import COLUMNS, levels_lines, rows, summarize
+
+    levels = {"level2_proposed": 8, "level2_accepted": 6, "model_calls": 5, "model_s": 0.15, "lookup_s": 0.01}
+    recs = [_rec("parent", 10, 12), _rec("q4", 30, 40, lossy=True), _rec("spec-q4", 15, 20, drafted=10, accepted=9),
+            _rec("stacked-q4", 18, 24, levels=levels, drafted=10, accepted=9)]
+    summ = {s["policy"]: s for s in summarize(recs, ["parent", "q4", "spec-q4", "stacked-q4"])}
+    assert summ["spec-q4"]["q4_share"] == pytest.approx(0.5) and summ["spec-q4"]["q4_decode_share"] == 0.5
+    col = COLUMNS.index("share of q4")
+    cells = {r[0]: r[col] for r in rows(list(summ.values()))}
+    assert cells["parent"] == "33% / 30%" and cells["stacked-q4"] == "60% / 60%" and cells["q4 (lossy)"] == "–"
+    lv = summ["stacked-q4"]["levels"]
+    assert lv["level1_acceptance"] == 0.9 and lv["level2_acceptance"] == 0.75 and lv["draft_model_calls"] == 5
+    assert summ["spec-q4"]["levels"] is None
+    assert any("stacked-q4` drafting levels" in line and "6/8" in line for line in levels_lines(list(summ.values())))
+    no_q4 = summarize(recs[:1] + recs[2:], ["parent", "spec-q4"])
+    assert all(s["q4_share"] is None for s in no_q4)

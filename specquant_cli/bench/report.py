@@ -170,11 +170,28 @@ def markdown(report: dict) -> str:
              f"- fidelity: {noise_line(report.get('fidelity'))}", "", "## All prompts", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r) + " |" for r in rows(report["summary"])]
+    lines += levels_lines(report["summary"])
     lines += divergence_table(report.get("fidelity"))
     for cat, summ in report["by_category"].items():
         lines += ["", f"## {cat}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(r) + " |" for r in rows(summ)]
     return "\n".join(lines) + "\n"
+
+
+def levels_lines(summary: list[dict]) -> list[str]:
+    """For each policy that drafted with a second level: the acceptance and the time at each level."""
+    out = []
+    for s in summary:
+        lv = s.get("levels")
+        if not lv:
+            continue
+        l2 = "–" if lv["level2_acceptance"] is None else f"{lv['level2_acceptance']:.1%}"
+        out.append(f"- `{s['policy']}` drafting levels: level 1 (F16 verifies the draft) acceptance "
+                   f"{_fmt(lv['level1_acceptance'], pct=True)}, verify {lv['verify_s']:.1f} s; level 2 (the draft "
+                   f"verifies suffix proposals) acceptance {l2} ({lv['level2_accepted']}/{lv['level2_proposed']}), "
+                   f"{lv['draft_model_calls']} draft calls for {_fmt(lv['draft_tokens_per_model_call'])} drafted "
+                   f"tokens each, draft model {lv['draft_model_s']:.1f} s, proposals {lv['level2_lookup_s']:.2f} s")
+    return [""] + out if out else []
 
 
 def noise_line(fid: Optional[dict]) -> str:
