@@ -205,14 +205,16 @@ def test_auto_measures_and_picks_recipe_drafts(fam):
     path.write_text(json.dumps(data))
     route = json.loads(run_cli(["route", "--json", "--family", str(root), PROMPT]).stdout)["plan"]
     names = [c["plan"] for c in route["candidates"]]
-    assert {"q4i", "q3g", "suffix+q4i", "suffix+q3g"} <= set(names)
-    assert route["draft"] in ("q3g", "suffix+q3g"), route
+    # each draft in its two-level form (its batch curve is measured), alone and mixed with suffix drafts
+    assert {"stacked-q4i", "stacked-q3g", "suffix+stacked-q4i", "suffix+stacked-q3g"} <= set(names)
+    assert route["draft"] in ("stacked-q3g", "suffix+stacked-q3g"), route
     args = ["chat", "--family", str(root), "--max-tokens", "24", "--json", PROMPT]
     parent = json.loads(run_cli(args + ["--policy", "parent"]).stdout.strip().splitlines()[-1])
     r = run_cli(args + ["--policy", "auto"])
     assert r.exit_code == 0, r.stderr
     rec = json.loads(r.stdout.strip().splitlines()[-1])
-    assert rec["route"]["plan"].startswith(("q3g drafts", "suffix+q3g drafts")) and rec["stats"]["drafted"] > 0
+    assert rec["route"]["plan"].startswith(("stacked-q3g drafts", "suffix+stacked-q3g drafts"))
+    assert rec["stats"]["drafted"] > 0
     assert rec["text"] == parent["text"]
 
 
