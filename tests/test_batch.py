@@ -150,3 +150,57 @@ def test_the_calibrated_curve_decides_how_many_run_together_and_auto_plans_for_t
     assert "q4" in alone.drafter  # alone, a q4 draft pays on this curve
     for b in (2, 4, 8):  # among others the parent's shared step is cheaper than a lone model draft step
         assert "q4" not in (choose(candidates("low", 0.0, ["f16", "q4"], intel.for_batch(b))).drafter or "")
+
+
+def test_parent_calls_wait_for_the_draft_steps_beside_them(models):
+    """With a verify (parent) call and draft calls waiting together, the round runs the draft steps and holds
+    the parent call, so the drafting requests reach their verification together and share one parent call;
+    a held call runs at the latest DEFER_MAX_S after it came."""
+    import time
+
+    from specquant_cli.decoding.batch import DEFER_MAX_S, Call
+
+    f16, q4 = Context(models["f16"], 256, n_seq_max=2), Context(models["q4"], 256, n_seq_max=2)
+    try:
+        b = Batcher()
+        now = time.monotonic()
+        verify = Call(f16, 0, [1, 2], [0, 1], [1], since=now)
+        draft = Call(q4, 1, [3], [0], [0], since=now)
+        run, held = b._split([verify, draft])
+        assert run == [draft] and held == [verify]
+        assert b._split([verify]) == ([verify], [])  # nothing drafting beside it: it runs
+        late = Call(f16, 0, [1, 2], [0, 1], [1], since=now - DEFER_MAX_S)
+        assert b._split([late, draft]) == ([late, draft], [])  # held long enough: it runs with them
+    finally:
+        f16.close()
+        q4.close()
+
+
+def test_drafting_sequences_share_their_parent_calls(models):
+    """Two sequences that draft with q4 and verify with the parent, in threads through one batcher: the answers
+    are what each gets alone, and their verifications meet in shared rounds."""
+    f16, q4 = Context(models["f16"], 512, n_seq_max=2, kv_unified=True), \
+        Context(models["q4"], 512, n_seq_max=2, kv_unified=True)
+    b = Batcher()
+    prompts = [models["f16"].tokenize(t, add_bos=False) for t in TEXTS[:2]]
+    try:
+        def run(i):
+            from specquant_cli.decoding.drafters import ModelDrafter
+            from specquant_cli.decoding.engine import Engine
+            from specquant_cli.decoding.gamma import FixedGamma
+
+            with b.member():
+                eng = Engine(SeqView(f16, i, b, 256), ModelDrafter(SeqView(q4, i, b, 256)), FixedGamma(3))
+                return [e.token for e in eng.generate(prompts[i], N)]
+
+        res, errs = in_threads(run, 2)
+        assert not errs
+        solo = Context(models["f16"], 512)
+        for i, p in enumerate(prompts):
+            solo.reset()
+            assert res[i] == greedy(solo, p, N)
+        solo.close()
+        assert b.stats.deferred > 0
+    finally:
+        f16.close()
+        q4.close()
