@@ -38,5 +38,14 @@ def calibrate(
     for role, s in c.draft_step_s.items():
         err.print(f"  {role} step                    {s * 1000:.1f} ms ({c.draft_ratio(role):.2f}x a parent step)",
                   markup=False)
+    for role, curve in c.draft_call_s.items():
+        calls = " · ".join(f"{n}: {s * 1000:.1f}" for n, s in sorted(curve.items()) if n in (1, 2, 4, 8))
+        err.print(f"  {role} call, ms by tokens{' ' * max(1, 6 - len(role))}{calls}", markup=False)
+    if c.deep_pos:
+        deep = " · ".join(f"{role} {c.depth_factor(role, 1, c.deep_pos):.2f}x" for role in c.deep_call_s)
+        err.print(f"  one-token call after {c.deep_pos} positions: {deep}", markup=False)
+    at = c.deep_pos or 64
+    for role in c.import_s:
+        err.print(f"  {role} KV import of {at} positions {c.import_cost(role, at) * 1000:.1f} ms", markup=False)
     for role, s in c.prefill_token_s.items():
         err.print(f"  {role} prefill per token       {s * 1000:.2f} ms", markup=False)
