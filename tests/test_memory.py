@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from specquant_cli.decoding.drafters import ModelDrafter, StackedDrafter
+from specquant_cli.decoding.drafters import ModelDrafter
 from specquant_cli.decoding.gamma import GUARD_MIN_CYCLES, FixedGamma, RateGuard
 from specquant_cli.decoding.memory import BYTES_PER_TOKEN, DraftMemory, Recorder, tokens_for
 from specquant_cli.decoding.protocols import CycleOutcome
@@ -139,7 +139,7 @@ def _stacked(memory_seq=None, p_min=None):
         Recorder(mem).start(memory_seq)
     lower = SuffixDrafter(7, verify_cost=flat, memory=mem, record=False)
     ctx = FakeContext(FakeModel(V, eog=V - 1), _rule)
-    return StackedDrafter(ctx, lower, p_min=p_min), ctx
+    return ModelDrafter(ctx, p_min=p_min, lower=lower), ctx
 
 
 def _chain(start: int, n: int) -> list[int]:
@@ -183,8 +183,8 @@ def test_a_sampled_stacked_draft_is_the_models_own_sample():
     want = ModelDrafter(FakeContext(FakeModel(V, eog=V - 1), soft)).propose(seq, 6, sp, sp.uniforms()).tokens
     mem = DraftMemory()
     Recorder(mem).start([1, 2, *_chain(13, 10)])
-    d = StackedDrafter(FakeContext(FakeModel(V, eog=V - 1), soft), SuffixDrafter(7, verify_cost=flat, memory=mem,
-                                                                                   record=False))
+    d = ModelDrafter(FakeContext(FakeModel(V, eog=V - 1), soft),
+                     lower=SuffixDrafter(7, verify_cost=flat, memory=mem, record=False))
     assert d.propose(seq, 6, sp, sp.uniforms()).tokens == want
 
 

@@ -46,6 +46,20 @@ def test_persistent_drafters_are_kept_per_policy_and_shared_inside_one(rt):
     assert "q4" in rt.pool.loaded()  # the drafter cache loaded the role its drafter needs
 
 
+@pytest.mark.parametrize("budget", [None, 0])
+def test_a_second_level_reads_the_memory_its_answers_are_written_to(rt, budget):
+    """Beside a first-level suffix drafter the second level reads that drafter's memory (with no memory shared,
+    --draft-memory 0, its private one); alone it writes and reads the scope's."""
+    cache = rt.drafters.with_models(rt.pool, rt.costs)
+    cache.memory_tokens = cache.memory_tokens if budget is None else budget
+    mixed = cache.drafter("suffix+stacked-q4", "f16", "auto")
+    assert mixed.then.lower.memory is mixed.first.memory and mixed.then.lower.recorder is None
+    alone = cache.drafter("stacked-q4", "f16", "stacked-q4")
+    assert alone.lower.recorder is not None
+    if budget is None:
+        assert alone.lower.memory is cache.memory("stacked-q4")
+
+
 def test_the_cost_model_builds_the_gamma_policy_a_plan_names(rt):
     rt.costs._calibration = INTEL  # this machine's costs, as if read from the family folder
     plan = Plan("p", None, "f16", "q4", "fixed")

@@ -11,6 +11,7 @@ from typing import Optional
 
 import numpy as np
 
+from specquant_cli.decoding.memory import MAX_EXTEND
 from specquant_cli.decoding.protocols import CycleOutcome, Draft, Prepared, TokenContext
 from specquant_cli.decoding.sampling import SamplingParams, Uniforms, greedy_token, probs, sample
 
@@ -77,27 +78,44 @@ class ModelDrafter(DrafterBase):
     after the parent has prefilled, its sequence state is imported (`Context.import_state`); when llama.cpp
     refuses that, the draft prefills itself and the refusal is remembered. With `p_min`, drafting stops as
     soon as the draft's top probability falls below it. With `window`, the draft reads only the last
-    `window` tokens of the prompt (plus everything generated since)."""
+    `window` tokens of the prompt (plus everything generated since).
+
+    With `lower` (a suffix drafter reading the drafting memory), a second drafting level speculates the
+    model's own steps: after each token the model picks, `lower` proposes what follows, the model scores the
+    token and the proposals in one call and keeps the proposals as long as they are what it would have picked
+    itself (its greedy choice, or its sample with the parent's number for that position). The draft is the
+    model's own either way, token for token: only its cost changes, from one call per token to one call per
+    run the lower level got right. `lower` sizes its proposals from the model's batch cost curve and the
+    acceptance it measures at this level (its feedback)."""
 
     def __init__(self, ctx: TokenContext, name: str = "model", p_min: Optional[float] = None,
                  stop_ids: frozenset[int] = frozenset(), window: Optional[int] = None,
-                 parent: Optional[TokenContext] = None):
+                 parent: Optional[TokenContext] = None, lower=None):
         self.ctx = ctx
         self.name = name
         self.p_min = p_min
         self.stop_ids = stop_ids or ctx.model.eog_ids
         self.window = window
         self.parent = parent
+        self.lower = lower
         self.import_ok = True  # until llama.cpp refuses an import once
         self.start = 0  # first token of the sequence the draft context holds
+        self._counts = {"level2_proposed": 0, "level2_accepted": 0, "model_calls": 0, "model_s": 0.0,
+                        "lookup_s": 0.0}
 
     @property
     def n_ctx(self) -> Optional[int]:
         return self.ctx.n_ctx
 
+    @property
+    def counters(self) -> dict[str, float]:
+        return dict(self._counts)
+
     def prepare(self, seq: Sequence[int]) -> Prepared:
         """Catch up on the prompt. Called after the parent's prefill (or between cycles), when the parent's
         cache holds seq[:-1]. An imported cache makes the window unnecessary: the draft reads everything."""
+        if self.lower is not None:
+            self.lower.prepare(seq)
         t0 = time.perf_counter()
         imported = self._import(seq)
         self.start = max(0, len(seq) - self.window) if self.window and not imported else 0
@@ -121,64 +139,11 @@ class ModelDrafter(DrafterBase):
     def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, uniforms: Uniforms) -> Draft:
         if n <= 0:
             return Draft()
-        ctx = self.ctx
         if self.start >= len(seq):  # a new, shorter sequence without prepare()
             self.start = 0
-        ctx.sync(seq[self.start:])
-        out = []
-        for i in range(n):
-            row = ctx.logits(-1)
-            if sp.greedy:
-                t = greedy_token(row)
-                if self.p_min is not None and _top_prob(row, t) < self.p_min:
-                    break
-            else:
-                q = probs(row, sp)
-                t = sample(q, uniforms.at(len(seq) + i))  # the parent's number for this position: coupled
-                if self.p_min is not None and float(q.max()) < self.p_min:
-                    break
-            out.append(t)
-            if t in self.stop_ids or i == n - 1:
-                break  # the last drafted token is decoded lazily, by the next sync, only if it is kept
-            ctx.decode([t], logits="last")
-        return Draft(out)
-
-
-class StackedDrafter(ModelDrafter):
-    """A second drafting level: the model's own steps are speculated. After each token the model picks, a
-    draft-free drafter (`lower`: a suffix drafter reading the drafting memory) proposes what follows; the model
-    scores the token and the proposals in one call and keeps the proposals as long as they are what it would
-    have picked itself (its greedy choice, or its sample with the parent's number for that position). The
-    draft is therefore the model's own, token for token: only its cost changes, from one call per token to
-    one call per run the lower level got right. `lower` sizes its proposals from the model's batch cost curve
-    and the acceptance it measures at this level (its feedback)."""
-
-    def __init__(self, ctx: TokenContext, lower, name: str = "stacked", **kw):
-        super().__init__(ctx, name, **kw)
-        self.lower = lower
-        self._counts = {"level2_proposed": 0, "level2_accepted": 0, "model_calls": 0, "model_s": 0.0,
-                        "lookup_s": 0.0}
-
-    @property
-    def counters(self) -> dict[str, float]:
-        return dict(self._counts)
-
-    def remember(self, seq: Sequence[int]) -> None:
-        if hasattr(self.lower, "remember"):
+        if self.lower is not None:
             self.lower.remember(seq)
-
-    def prepare(self, seq: Sequence[int]) -> Prepared:
-        if hasattr(self.lower, "prepare"):
-            self.lower.prepare(seq)
-        return super().prepare(seq)
-
-    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, uniforms: Uniforms) -> Draft:
-        if n <= 0:
-            return Draft()
-        if self.start >= len(seq):
-            self.start = 0
-        self.remember(seq)
-        self._timed_call(lambda: self.ctx.sync(seq[self.start:]))
+        self._call(lambda: self.ctx.sync(seq[self.start:]))
         out: list[int] = []
         row = -1  # the logits row that predicts the next token
         while len(out) < n:
@@ -188,18 +153,18 @@ class StackedDrafter(ModelDrafter):
             out.append(t)
             if t in self.stop_ids or len(out) == n:
                 break  # the last drafted token is decoded lazily, by the next sync, only if it is kept
-            row = self._extend(seq, out, n, sp, uniforms)
+            row = self._step(seq, out, n, sp, uniforms)
             if row is None:
                 break
         return Draft(out)
 
-    def _extend(self, seq, out: list[int], n: int, sp, uniforms) -> Optional[int]:
-        """Decode out[-1] with the lower level's proposals after it; append those the model agrees with to
-        `out`. Returns the row predicting the next token, or None when the draft ends here."""
-        t0 = time.perf_counter()
-        props = self.lower.lookup(list(seq) + out, n - len(out)).tokens
-        self._counts["lookup_s"] += time.perf_counter() - t0
-        self._timed_call(lambda: self.ctx.decode([out[-1]] + props, logits="all" if props else "last"))
+    def _step(self, seq, out: list[int], n: int, sp, uniforms) -> Optional[int]:
+        """Decode out[-1], with the lower level's proposals after it when there is one; append those the model
+        agrees with to `out`. Returns the row predicting the next token, or None when the draft ends here."""
+        props = self._proposals(seq, out, n - len(out))
+        self._call(lambda: self.ctx.decode([out[-1]] + props, logits="all" if props else "last"))
+        if not props:
+            return 0
         kept, end = 0, False
         for j, p in enumerate(props):
             t = self._pick(self.ctx.logits(j), sp, uniforms, len(seq) + len(out))
@@ -211,15 +176,24 @@ class StackedDrafter(ModelDrafter):
             if p in self.stop_ids:
                 end = True
                 break
-        if props:
-            self._counts["level2_proposed"] += len(props)
-            self._counts["level2_accepted"] += kept
-            self.lower.feedback(seq, CycleOutcome(len(props), kept, -1, 0.0, 0.0, len(props) + 1))
+        self._counts["level2_proposed"] += len(props)
+        self._counts["level2_accepted"] += kept
+        self.lower.feedback(seq, CycleOutcome(len(props), kept, -1, 0.0, 0.0, len(props) + 1))
         if kept < len(props):
             self.ctx.rewind(self.ctx.n_past - (len(props) - kept))
         return None if end or len(out) >= n else kept
 
-    def _timed_call(self, call) -> None:
+    def _proposals(self, seq, out: list[int], room: int) -> list[int]:
+        """The lower level's tokens after seq + out (it reads only the tail: a match extends at most
+        MAX_EXTEND tokens back); none without a lower level."""
+        if self.lower is None:
+            return []
+        t0 = time.perf_counter()
+        props = self.lower.lookup(list(seq[-MAX_EXTEND:]) + out, room).tokens
+        self._counts["lookup_s"] += time.perf_counter() - t0
+        return props
+
+    def _call(self, call) -> None:
         t0 = time.perf_counter()
         call()
         self._counts["model_calls"] += 1
@@ -227,7 +201,7 @@ class StackedDrafter(ModelDrafter):
 
     def _pick(self, row: np.ndarray, sp: SamplingParams, uniforms: Uniforms, pos: int) -> Optional[int]:
         """The model's token at `pos` from its logits `row` (greedy, or sampled with the parent's number for
-        that position), None below `p_min`."""
+        that position: coupled), None below `p_min`."""
         if sp.greedy:
             t = greedy_token(row)
             return None if self.p_min is not None and _top_prob(row, t) < self.p_min else t

@@ -97,17 +97,18 @@ def _suffix(host: DraftHost, target: str) -> Drafter:
 LEVEL2_MAX = 7
 
 
-def _stacked(role: str, record: bool = True):
-    """`role` drafts, its own steps speculated by suffix drafts over the scope's memory (a second level);
-    `record`: the lower level writes the sequence into the memory (not when a first-level suffix drafter
-    of the same answer does)."""
+def _stacked(role: str, first=None):
+    """`role` drafts, its own steps speculated by suffix drafts (a second level). Alone, its lower level writes
+    the sequence into the scope's memory and reads it; beside a first-level suffix drafter (`first`, of the
+    same answer), it reads what that one writes."""
     def build(host: DraftHost, target: str) -> Drafter:
-        from specquant_cli.decoding.drafters import StackedDrafter
+        from specquant_cli.decoding.drafters import ModelDrafter
         from specquant_cli.decoding.suffix import SuffixDrafter
 
-        lower = SuffixDrafter(LEVEL2_MAX, verify_cost=host.draft_cost(role), memory=host.memory(), record=record)
+        memory = first.memory if first is not None else host.memory()
+        lower = SuffixDrafter(LEVEL2_MAX, verify_cost=host.draft_cost(role), memory=memory, record=first is None)
         parent = host.context(target) if host.kv_import else None
-        return StackedDrafter(host.context(role), lower, f"stacked-{role}", p_min=host.p_min, parent=parent)
+        return ModelDrafter(host.context(role), f"stacked-{role}", host.p_min, parent=parent, lower=lower)
 
     return build
 
@@ -122,9 +123,10 @@ def _suffix_then(role: str, stacked: bool = False):
     def build(host: DraftHost, target: str) -> Drafter:
         from specquant_cli.decoding.drafters import FallbackDrafter
 
-        model = _stacked(role, record=False)(host, target) if stacked else _model(role)(host, target)
-        return FallbackDrafter(host.drafter("suffix", target), model, min_tokens=STACKED_SUFFIX_MIN if stacked else 2,
-                               activate_after=0, model_gamma=host.model_gamma(role))
+        first = host.drafter("suffix", target)
+        model = _stacked(role, first)(host, target) if stacked else _model(role)(host, target)
+        return FallbackDrafter(first, model, min_tokens=STACKED_SUFFIX_MIN if stacked else 2, activate_after=0,
+                               model_gamma=host.model_gamma(role))
 
     return build
 
