@@ -85,7 +85,8 @@ def open_session(settings: SessionSettings, family=None, report: Reporter = SILE
         report.say(warning)
     runtime = Runtime.open(fam, n_ctx=settings.n_ctx, gamma=settings.gamma, threads=settings.threads,
                            facts=settings.facts, rpc=settings.rpc, parallel=settings.parallel, report=report,
-                           mmap=settings.mmap, rpc_timeout=settings.rpc_timeout, draft_memory=settings.draft_memory)
+                           mmap=settings.mmap, rpc_timeout=settings.rpc_timeout, draft_memory=settings.draft_memory,
+                           host_reserve=int(settings.cache_ram * (1 << 20)))
     router = Router(router_config, runtime.count_tokens, max_tokens=settings.n_ctx)
     return ChatSession(runtime, router, policy, settings.sampling or SamplingParams(), settings.max_tokens,
                        settings.system, settings.stop)

@@ -29,6 +29,9 @@ DEFAULT_GAMMA = 4  # the draft length γ when nothing sets one
 MAX_GAMMA_SETTING = 16  # the largest --gamma accepted
 MAX_PARALLEL = 8  # the most sequences serve decodes together
 DEFAULT_DRAFT_MEMORY_MIB = 64.0  # RAM of each policy's drafting memory (decoding.memory)
+CACHE_RAM_SHARE = 0.25  # of free memory: the prompt cache's default budget
+CACHE_RAM_MAX_MIB = 8192.0  # ... at most this (llama-server's default --cache-ram)
+DEFAULT_PREFILL_CHUNK = 128  # tokens a prompt adds per batch round while other requests decode
 DEFAULT_RPC_TIMEOUT_S = 300.0  # longest wait for one RPC reply (a long prefill on a slow worker stays under it)
 MAX_RPC_TIMEOUT_S = 86400.0
 SOURCES = ("default", "toml", "env", "flag", "machine")
@@ -315,6 +318,19 @@ def _declare() -> dict[str, Setting]:
         Setting("serving", "cors_origin", str, None, "Origins whose web pages may call the API, comma-separated "
                 "(e.g. http://localhost:3000; *: any); the server's own chat page needs none", "--cors-origin",
                 check=_origins, optional=True, shown="none", many=True),
+        Setting("serving", "prompt_cache", bool, True, "Reuse computed prompt prefixes: a slot's own, another "
+                "slot's (copied, no prefill) and the prompt cache's (off: every prompt is prefilled whole)",
+                "--prompt-cache"),
+        Setting("serving", "cache_ram", float, None, "RAM (MiB) of the prompt cache: the parent's state of a "
+                "reused slot, kept for a later prompt that starts the same way (least recently used out; 0: off)",
+                "--cache-ram", lo=0.0, hi=1 << 24, optional=True,
+                shown=f"{CACHE_RAM_SHARE:.0%} of free memory, at most {CACHE_RAM_MAX_MIB:.0f}"),
+        Setting("serving", "cache_dir", Path, None, "A folder the prompt cache is also written to, and read back "
+                "from at start (entries of another model, build or context size are refused)", "--cache-dir",
+                check=check_path, optional=True, shown="none"),
+        Setting("serving", "prefill_chunk", int, DEFAULT_PREFILL_CHUNK, "Tokens a prompt adds per batch round "
+                "while other requests decode (their inter-token latency stays bounded)", "--prefill-chunk", lo=8,
+                hi=512),
         Setting("serving", "policies", str, None, "Comma-separated policies a request may choose (default: all "
                 "the family can run); every model they can use is loaded at start-up", "--policies",
                 check=_policies, optional=True, shown="all", usage=False, many=True),
@@ -517,6 +533,19 @@ def debug() -> bool:
     return raw.strip().lower() in TRUE
 
 
+def default_cache_ram(available_bytes: int) -> float:
+    """The prompt cache's budget (MiB) when nothing sets one: CACHE_RAM_SHARE of free memory, at most
+    CACHE_RAM_MAX_MIB."""
+    return float(min(CACHE_RAM_MAX_MIB, int(max(0, available_bytes) * CACHE_RAM_SHARE) >> 20))
+
+
+def decide_cache_ram(cfg: Settings, available_bytes: int) -> Settings:
+    """`cfg` with serving.cache_ram decided from this machine's free memory, unless given."""
+    mib = default_cache_ram(available_bytes)
+    return cfg.decided("serving.cache_ram", mib, f"{CACHE_RAM_SHARE:.0%} of {available_bytes / 2**30:.1f} GiB free, "
+                       f"at most {CACHE_RAM_MAX_MIB:.0f} MiB")
+
+
 def cache_home() -> Optional[Path]:
     """specquant's user cache folder: $XDG_CACHE_HOME/specquant, or ~/.cache/specquant when it is unset or relative
     (the XDG spec says a relative path is invalid and ignored); None when there is no home either."""
@@ -546,7 +575,7 @@ class SessionSettings:
     TOML file with a [router] table (None: ./specquant.toml when present); rpc: the parent's RPC workers and
     rpc_timeout their reply deadline; mmap: map model files; facts: this machine's hardware facts when already
     detected; parallel: sequences every context holds, each with n_ctx positions; draft_memory: MiB of each
-    policy's drafting memory."""
+    policy's drafting memory; cache_ram: MiB of the prompt cache (serve), counted by the memory check."""
 
     family: Optional[Path] = None
     n_ctx: int = DEFAULT_CTX
@@ -564,6 +593,7 @@ class SessionSettings:
     mmap: bool = False
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S
     draft_memory: float = DEFAULT_DRAFT_MEMORY_MIB
+    cache_ram: float = 0.0
 
     def __post_init__(self):
         self.stop = tuple(self.stop)
@@ -575,6 +605,6 @@ class SessionSettings:
         names = {"family": "runtime.family", "n_ctx": "runtime.ctx", "gamma": "decoding.gamma",
                  "threads": "runtime.threads", "policy": "decoding.policy", "rpc": "runtime.rpc",
                  "parallel": "runtime.parallel", "mmap": "runtime.mmap", "rpc_timeout": "runtime.rpc_timeout",
-                 "draft_memory": "decoding.draft_memory"}
+                 "draft_memory": "decoding.draft_memory", "cache_ram": "serving.cache_ram"}
         kw = {f: cfg.get(k) for f, k in names.items() if k in cfg.values and cfg.get(k) is not None}
         return cls(**{"router_config": cfg.config, **kw, **extra})

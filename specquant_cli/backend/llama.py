@@ -394,6 +394,7 @@ class PrefixCache:
     run the real prefix logic."""
 
     tokens: list[int]
+    prefixes = None  # runtime.prefixes.PrefixSharing: where a prefill may take a computed prefix (None: its own only)
 
     @property
     def n_past(self) -> int:
@@ -413,13 +414,20 @@ class PrefixCache:
             raise InputError(f"context full: {self.n_past} + {n} tokens > n_ctx {self.n_ctx}")
         if logits == "all" and n > self.n_batch:
             raise LlamaError(f"cannot score {n} tokens in one batch of {self.n_batch}")
-        for start in range(0, n, self.n_batch):
-            chunk = list(tokens[start:start + self.n_batch])
-            last_chunk = start + self.n_batch >= n
+        start = 0
+        while start < n:
+            size = self.n_batch if logits == "all" else self.chunk_size()
+            chunk = list(tokens[start:start + size])
+            start += len(chunk)
             rows = list(range(len(chunk))) if logits == "all" else [len(chunk) - 1] if logits == "last" and \
-                last_chunk else []
+                start >= n else []
             self._decode_run(chunk, rows)
             self.tokens.extend(chunk)
+
+    def chunk_size(self) -> int:
+        """Tokens per llama.cpp call when a run is longer (a shared context's sequence prefills in smaller
+        chunks while other sequences decode beside it)."""
+        return self.n_batch
 
     def _decode_run(self, chunk: list[int], rows: list[int]) -> None:
         """Decode `chunk` at the end of the cache (which does not yet list it), with logits for `rows`."""
@@ -436,6 +444,12 @@ class PrefixCache:
         self.decode(tokens[keep:], logits=logits)
         return len(tokens) - keep
 
+    def prefill(self, tokens: Sequence[int]) -> int:
+        """Hold exactly `tokens` (no logits), taking a computed prefix where `prefixes` has one; tokens decoded."""
+        if self.prefixes is not None:
+            return self.prefixes.prefill(self, tokens)
+        return self.sync(tokens, logits="none")
+
     def reset(self) -> None:
         self.rewind(0)
 
@@ -444,6 +458,8 @@ class Context(PrefixCache):
     """One llama.cpp context (KV cache) over a Model, with a reusable batch.
 
     `tokens` always equals what the KV cache holds, position by position."""
+
+    seq = 0  # the sequence `tokens` describes (a PrefixCache's; serving.slots' views are other sequences)
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 512, n_threads: Optional[int] = None,
                  n_seq_max: int = 1, eval_callback=None, kv_unified: bool = False):
@@ -513,6 +529,17 @@ class Context(PrefixCache):
 
         if not llama_cpp.llama_memory_seq_rm(self._mem, seq_id, p0, p1):
             raise LlamaError(f"llama.cpp could not remove positions {p0}..{p1} of sequence {seq_id}")
+
+    @property
+    def ctx(self) -> Context:
+        return self  # the context a PrefixCache's state calls go to (a shared context's view has another)
+
+    def copy_seq(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Give sequence `dst` the cells of positions [p0, p1) of `src` (`llama_memory_seq_cp`: in one unified
+        cache no data moves, the cells belong to both). `dst` must hold nothing there."""
+        import llama_cpp
+
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
     def logits(self, i: int = -1) -> np.ndarray:
         """Logits row for token i of the last decoded batch (a view: valid until the next decode)."""

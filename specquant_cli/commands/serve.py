@@ -18,7 +18,8 @@ SETTINGS = ("decoding.policy", "serving.policies", "serving.host", "serving.port
             "serving.allow_host", "serving.cors_origin",
             "runtime.parallel", "serving.queue", "serving.max_tokens", "serving.max_body", "decoding.gamma",
             "runtime.family", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc", "runtime.rpc_timeout",
-            "decoding.draft_memory")
+            "decoding.draft_memory", "serving.prompt_cache", "serving.cache_ram", "serving.cache_dir",
+            "serving.prefill_chunk")
 
 
 def register(app: typer.Typer) -> None:

@@ -100,6 +100,19 @@ class Batcher:
                 self._active -= 1
                 self._cond.notify_all()  # the others may be the only ones left: a round may be due
 
+    @contextlib.contextmanager
+    def away(self) -> Iterator[None]:
+        """A member that waits on something else (another request's prefill) while the block runs: the rounds do
+        not wait for its calls meanwhile."""
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active += 1
+
     def decode(self, call: Call) -> Call:
         """Queue `call`, wait for the round that runs it, and return it with its logits rows (or raise what
         its llama_decode raised)."""
@@ -241,13 +254,14 @@ class SeqView(PrefixCache):
     """One sequence of a shared context, as a `TokenContext`: what the engine and drafters see of it is what
     they would see of a context of their own. `tokens` is, position by position, what the sequence holds."""
 
-    def __init__(self, ctx: Context, seq: int, batcher: Batcher, n_ctx: int):
+    def __init__(self, ctx: Context, seq: int, batcher: Batcher, n_ctx: int, prefill_chunk: Optional[int] = None):
         self.ctx = ctx
         self.seq = seq
         self.batcher = batcher
         self.model = ctx.model
         self.n_ctx = n_ctx  # this sequence's share of the context
         self.n_batch = ctx.n_batch
+        self.prefill_chunk = min(prefill_chunk or ctx.n_batch, ctx.n_batch)
         self.tokens: list[int] = []
         self._rows: dict[int, np.ndarray] = {}
         self._last_n = 0
@@ -267,12 +281,17 @@ class SeqView(PrefixCache):
             raise LlamaError(f"no logits at batch index {i}")
         return row
 
+    def chunk_size(self) -> int:
+        """While other requests decode beside it, a prompt goes in `prefill_chunk`-token calls: each round then
+        costs the running streams one short call, not a whole batch of prefill."""
+        return self.prefill_chunk if self.batcher.active > 1 else self.n_batch
+
     def rewind(self, n: int) -> None:
         if n >= self.n_past:
             return
-        with self.batcher.ops:
+        with self.batcher.ops:  # the cells and `tokens` change together: another sequence may copy from this one
+            del self.tokens[n:]
             self.ctx.remove(self.seq, n, -1)
-        del self.tokens[n:]
 
     def export_state(self):
         with self.batcher.ops:

@@ -112,7 +112,7 @@ class Engine:
     def _prefill(self, seq: list[int]) -> None:
         st = self.stats
         t0 = time.perf_counter()
-        st.prefill_tokens = self.parent.sync(seq[:-1], logits="none")
+        st.prefill_tokens = self.parent.prefill(seq[:-1])
         st.parent_prefill_s = time.perf_counter() - t0
         if self.drafter is not None:
             rep = self.drafter.prepare(seq)

@@ -45,6 +45,7 @@ class TokenContext(Protocol):
     def rewind(self, n: int) -> None: ...
 
     def sync(self, tokens: Sequence[int], logits: LogitsMode = "last") -> int: ...
+    def prefill(self, tokens: Sequence[int]) -> int: ...  # sync without logits, taking a computed prefix if any
 
 
 @dataclass

@@ -43,13 +43,15 @@ class Runtime:
     def open(cls, family: Family, n_ctx: int = 4096, gamma: int = DEFAULT_GAMMA, threads: Optional[int] = None,
              p_min: Optional[float] = None, facts=None, kv_import: bool = True, rpc: Optional[list[str]] = None,
              parallel: int = 1, report: Reporter = SILENT, mmap: bool = False,
-             rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S, draft_memory: float = DEFAULT_DRAFT_MEMORY_MIB) -> Runtime:
+             rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S, draft_memory: float = DEFAULT_DRAFT_MEMORY_MIB,
+             host_reserve: int = 0) -> Runtime:
         """The runtime of `family`: registers its role drafters (a custom graded role drafts too; the one call
         that does), nothing loaded yet. `parallel`, `rpc`, `rpc_timeout`, `mmap`: runtime.pool.ModelPool's;
         `report`: where calibration's progress and warnings go; `draft_memory`: MiB of each policy's drafting
-        memory (decoding.memory)."""
+        memory (decoding.memory); `host_reserve`: bytes of host memory the memory check keeps for more than the models
+        (the prompt cache)."""
         pool = ModelPool(family, register_family_drafters(family.roles()), n_ctx, threads, facts, rpc, parallel,
-                         mmap, rpc_timeout)
+                         mmap, rpc_timeout, host_reserve)
         costs = CostModel(pool, gamma, report)
         return cls(pool, costs, DrafterCache(pool, costs, p_min, kv_import, tokens_for(draft_memory)))
 

@@ -37,16 +37,18 @@ class ModelPool:
     """`parallel`: sequences every context holds (serving.slots gives each concurrent request one), each with
     `n_ctx` positions of its own. `draft_roles`: the family's roles that draft as models
     (decoding.registry.register_family_drafters, called once when the family is opened). `rpc`: the parent's
-    RPC workers, `rpc_timeout` their reply deadline in seconds; `mmap`: map model files (runtime.mmap)."""
+    RPC workers, `rpc_timeout` their reply deadline in seconds; `mmap`: map model files (runtime.mmap);
+    `host_reserve`: host memory (bytes) the placement check counts beside the models (the prompt cache's budget)."""
 
     def __init__(self, family: Family, draft_roles: list[str], n_ctx: int = 4096, threads: Optional[int] = None,
                  facts=None, rpc: Optional[list[str]] = None, parallel: int = 1, mmap: bool = False,
-                 rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S):
+                 rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S, host_reserve: int = 0):
         self.family = family
         self.draft_roles = list(draft_roles)
         self.rpc = list(rpc or [])
         self.rpc_timeout = rpc_timeout
         self.mmap = mmap
+        self.host_reserve = host_reserve
         self.n_ctx = n_ctx
         self.parallel = max(1, parallel)
         self.threads = threads
@@ -127,7 +129,7 @@ class ModelPool:
             roles = [r for r in roles if r != PARENT_ROLE]
             if not roles:
                 return Placement("rpc")
-        return require_fit(self.facts, self.family, roles, self.n_ctx * self.parallel)
+        return require_fit(self.facts, self.family, roles, self.n_ctx * self.parallel, self.host_reserve)
 
     def _remote_parent(self) -> Model:
         """The parent with every layer on the RPC workers, split by their free memory (probed by _require_fit)."""

@@ -83,7 +83,8 @@ def create_app(svc: Service):
         stopping = svc.worker.stopping
         state = "parent_lost" if svc.worker.lost else "shutting_down" if stopping else "ok"
         body = {"status": state, "family": svc.family.name, "policy": svc.default_policy,
-                "kv": svc.kv, "draft_memory": svc.runtime.drafters.memory_use(), **svc.worker.status()}
+                "kv": svc.kv, "draft_memory": svc.runtime.drafters.memory_use(),
+                "prompt_cache": svc.prompt_cache_status(), **svc.worker.status()}
         return JSONResponse(body, status_code=503 if stopping else 200)
 
     _add_page(app)

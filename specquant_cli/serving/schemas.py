@@ -294,7 +294,14 @@ def finish_reason(last) -> str:
 
 def usage(last) -> dict:
     return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.new_tokens,
-            "total_tokens": last.prompt_tokens + last.new_tokens}
+            "total_tokens": last.prompt_tokens + last.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens(last)}}
+
+
+def cached_tokens(last) -> int:
+    """Prompt tokens the parent did not decode (it held them, or took them from another sequence or the prompt
+    cache). The prompt's last token is always decoded, with the first step."""
+    return max(0, last.prompt_tokens - 1 - last.prefill_tokens)
 
 
 def plan_info(answer) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import uvicorn
@@ -19,7 +20,7 @@ from specquant_cli.routing.policies import POLICIES, all_roles, check_policy, po
 from specquant_cli.serving.app import create_app
 from specquant_cli.serving.service import Service, stderr_line
 from specquant_cli.serving.slots import Slots, parallel_for
-from specquant_cli.settings import SessionSettings, Settings
+from specquant_cli.settings import DEFAULT_PREFILL_CHUNK, SessionSettings, Settings, decide_cache_ram
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SHUTDOWN_GRACE_S = 10  # uvicorn's wait for open connections after a signal
@@ -44,6 +45,10 @@ class ServeOptions:
     parallel_from: str = ""  # where `parallel` came from (a flag, a variable, the calibration, ...)
     allow_hosts: tuple[str, ...] = ()  # names the Host header may carry besides the server's own
     cors_origins: tuple[str, ...] = ()  # origins whose pages may call across sites
+    prompt_cache: bool = True  # reuse computed prompt prefixes (own, another slot's, the prompt cache's)
+    cache_ram: float = 0.0  # MiB of the prompt cache (0: none)
+    cache_dir: Optional[Path] = None  # where the prompt cache is also written
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
 
 def serve_settings(cfg: Settings, family, facts=None, report=None) -> tuple[Settings, ServeOptions]:
@@ -68,10 +73,16 @@ def serve_settings(cfg: Settings, family, facts=None, report=None) -> tuple[Sett
             _measure_costs(cfg, family, facts, report)
             n, why = parallel_for(family, facts, cfg.runtime.threads, [])
         cfg = cfg.decided("runtime.parallel", n, why or "the prior cost curve (no calibration for this machine)")
+    if cfg.serving.cache_ram is None:
+        from specquant_cli.system.hardware import detect
+
+        cfg = decide_cache_ram(cfg, (facts if facts is not None else detect()).ram_available)
     s, v = cfg.serving, cfg.values["runtime.parallel"]
+    cache_ram = s.cache_ram if s.prompt_cache else 0.0
     return cfg, ServeOptions(policy, tuple(offered), cfg.runtime.parallel, s.host, s.port, s.api_key or None,
                              s.queue, s.max_tokens, s.max_body, v.origin or v.source, tuple(s.allow_host or ()),
-                             tuple(s.cors_origin or ()))
+                             tuple(s.cors_origin or ()), s.prompt_cache, cache_ram, s.cache_dir if cache_ram else None,
+                             s.prefill_chunk)
 
 
 def _measure_costs(cfg: Settings, family, facts, report) -> None:
@@ -94,8 +105,12 @@ def build_service(family, cfg: Settings, opts: ServeOptions, report=None, facts=
     check_policy(opts.policy)
     for p in opts.policies:
         check_policy(p)
-    session = open_session(SessionSettings.of(cfg, parallel=opts.parallel, facts=facts), family=family,
-                           **({"report": report} if report is not None else {}))
+    if opts.cache_dir is not None:
+        from specquant_cli.fsutil import check_folder_writable
+
+        check_folder_writable(opts.cache_dir, "--cache-dir", create=True)
+    session = open_session(SessionSettings.of(cfg, parallel=opts.parallel, facts=facts, cache_ram=opts.cache_ram),
+                           family=family, **({"report": report} if report is not None else {}))
     runtime = session.runtime
     try:
         roles = all_roles([opts.policy, *opts.policies])
@@ -110,10 +125,28 @@ def build_service(family, cfg: Settings, opts: ServeOptions, report=None, facts=
             session.plan(WARM_UP_TEXT, name)
         if any(policy_spec(p).planner is not None for p in [opts.policy, *opts.policies]):
             runtime.load_planner_drafts()  # the drafts auto may pick (recipe roles too), not during a request
-        return Service(family, runtime, session, opts, Slots(runtime, opts.parallel) if opts.parallel > 1 else None)
+        slots = Slots(runtime, opts.parallel, opts.prefill_chunk) if opts.parallel > 1 else None
+        prefixes = share_prefixes(runtime, slots, opts, report)
+        return Service(family, runtime, session, opts, slots, prefixes)
     except BaseException:
         runtime.close()
         raise
+
+
+def share_prefixes(runtime, slots, opts: ServeOptions, report=None):
+    """The parent sequences' prefix sharing and prompt cache (runtime.prefixes), attached to every parent sequence
+    the server decodes in."""
+    from specquant_cli.family.roles import PARENT_ROLE
+    from specquant_cli.runtime.prefixes import PrefixSharing, PromptCache, cache_tag
+
+    cache = None
+    if opts.prompt_cache and opts.cache_ram > 0:
+        cache = PromptCache(int(opts.cache_ram * (1 << 20)), cache_tag(runtime.family, runtime.pool.n_ctx),
+                            opts.cache_dir, report)
+    if slots is None:
+        return PrefixSharing([runtime.pool.context(PARENT_ROLE)], cache, threading.RLock(), reuse=opts.prompt_cache)
+    views = [rt.pool.context(PARENT_ROLE) for rt in slots.runtimes]
+    return PrefixSharing(views, cache, slots.batcher.ops, slots.batcher.away, reuse=opts.prompt_cache)
 
 
 def run(svc: Service, opts: ServeOptions, say=None) -> None:

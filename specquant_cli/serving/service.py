@@ -23,11 +23,12 @@ class Service:
     """What the routes need: the family, the session (used by the worker thread only), the worker, the
     policies on offer and the request limits."""
 
-    def __init__(self, family, runtime, session, opts, slots=None):
+    def __init__(self, family, runtime, session, opts, slots=None, prefixes=None):
         self.family = family
         self.runtime = runtime
         self.session = session
         self.slots = slots  # serving.slots.Slots when requests decode together, else None
+        self.prefixes = prefixes  # runtime.prefixes.PrefixSharing of the parent's sequences, else None
         self.sessions = [session] if slots is None else \
             [session.for_runtime(rt, LockedRouter(session.router, slots.route_lock())) for rt in slots.runtimes]
         self.default_policy = opts.policy
@@ -36,7 +37,7 @@ class Service:
         self.origin_policy = OriginPolicy.of(opts.host, opts.allow_hosts, opts.cors_origins)
         self.max_tokens = opts.max_tokens
         self.max_body = opts.max_body
-        self.worker = EngineWorker(self.generate, opts.max_queue, parallel=len(self.sessions))
+        self.worker = EngineWorker(self.generate, opts.max_queue, parallel=len(self.sessions), choose=self.slot_for)
         if slots is not None:
             slots.in_flight = self.worker.in_flight
         self.parent_tokens_per_s = parent_rate(runtime)  # read once: the runtime belongs to the worker thread
@@ -81,6 +82,31 @@ class Service:
             os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # ggml's sockets are not close-on-exec
             os.execv(sys.executable, [sys.executable, "-m", "specquant_cli", *args])
 
+    def prompt_cache_status(self) -> Optional[dict]:
+        """The prompt cache's use and budget, and the prefixes taken from it and from other slots (None: no
+        prefix sharing)."""
+        return self.prefixes.status() if self.prefixes is not None else None
+
+    def slot_for(self, params: GenerationParams, free: list[int]) -> int:
+        """Of the `free` slots (least recently used first), the one whose parent sequence shares the longest
+        prefix with this request's prompt; the least recently used on a tie."""
+        if self.prefixes is None or len(free) == 1:
+            return free[0]
+        try:
+            prompt = self.prompt_tokens(params)
+        except SpecquantError:
+            return free[0]  # the slot's own run refuses the prompt, with its reason
+        from specquant_cli.backend.llama import common_prefix
+
+        views = self.prefixes.views
+        return max(free, key=lambda i: (common_prefix(views[i].tokens, prompt), -free.index(i)))
+
+    def prompt_tokens(self, params: GenerationParams) -> list[int]:
+        model = self.runtime.tokenizer()
+        if params.messages is not None:
+            return model.chat_prompt(params.messages)
+        return model.tokenize(params.prompt, add_bos=model.add_bos())
+
     def policy_for(self, requested: Optional[str], param: str) -> str:
         if requested is None:
             return self.default_policy
@@ -103,9 +129,7 @@ class Service:
         session = self.sessions[slot]
         limit = params.max_tokens
         if limit is None:  # OpenAI's "as long as the context allows", bounded by the server's default
-            model = self.runtime.tokenizer()
-            n_prompt = len(model.chat_prompt(params.messages)) if params.messages is not None else \
-                len(model.tokenize(params.prompt, add_bos=model.add_bos()))
+            n_prompt = len(self.prompt_tokens(params))
             limit = max(1, min(self.max_tokens, self.runtime.pool.n_ctx - n_prompt))
         answer, records = session.ask_messages(params.messages or [], policy=params.policy,
                                                sampling=params.sampling, max_tokens=limit, stop=params.stop,

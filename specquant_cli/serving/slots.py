@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from typing import Optional
 
 from specquant_cli.decoding.batch import Batcher, SeqView
 from specquant_cli.errors import ResourceError
@@ -42,14 +43,15 @@ class SlotPool:
     context it has loaded (decoding.batch.SeqView). Loads nothing: the pool loads every model before serving
     starts, so a role it has not loaded is an error here, and only loaded roles fit."""
 
-    def __init__(self, pool: ModelPool, slot: int, batcher: Batcher):
+    def __init__(self, pool: ModelPool, slot: int, batcher: Batcher, prefill_chunk: Optional[int] = None):
         self._pool = pool
         self.family = pool.family
         self.n_ctx = pool.n_ctx
         self.threads = pool.threads
         self.rpc = pool.rpc
         self.draft_roles = pool.draft_roles
-        self._views = {role: SeqView(ctx, slot, batcher, pool.n_ctx) for role, ctx in pool.contexts().items()}
+        self._views = {role: SeqView(ctx, slot, batcher, pool.n_ctx, prefill_chunk)
+                       for role, ctx in pool.contexts().items()}
 
     @property
     def facts(self):
@@ -84,10 +86,11 @@ class SlotPool:
         self.reset_caches()
 
 
-def slot_runtime(shared: Runtime, slot: int, batcher: Batcher, batch_size: Callable[[], int]) -> Runtime:
+def slot_runtime(shared: Runtime, slot: int, batcher: Batcher, batch_size: Callable[[], int],
+                 prefill_chunk: Optional[int] = None) -> Runtime:
     """Slot `slot` of the `shared` runtime: the same models, settings and measured costs — the costs as one of
     `batch_size()` sequences sees them —, its own sequence of every context, drafters and planners."""
-    models = SlotPool(shared.pool, slot, batcher)
+    models = SlotPool(shared.pool, slot, batcher, prefill_chunk)
     costs = shared.costs.for_batch(batch_size)
     return Runtime(models, costs, shared.drafters.with_models(models, costs))
 
@@ -96,10 +99,10 @@ class Slots:
     """The pool's first n sequences as slots, and their batcher. `batch_size` is what a slot plans for: the
     requests in flight (`in_flight`, set by the server to its worker's count), at most n."""
 
-    def __init__(self, shared: Runtime, n: int):
+    def __init__(self, shared: Runtime, n: int, prefill_chunk: Optional[int] = None):
         self.batcher = Batcher()
         self.in_flight: Callable[[], int] = lambda: 1
-        self.runtimes = [slot_runtime(shared, i, self.batcher, self.batch_size)
+        self.runtimes = [slot_runtime(shared, i, self.batcher, self.batch_size, prefill_chunk)
                          for i in range(min(n, shared.pool.parallel))]
         self._route_lock = threading.Lock()
 

@@ -75,10 +75,11 @@ class EngineWorker:
         run: called on a slot's thread with a job's params and the slot's index; returns (answer, records)
             where generation happens as `records` is iterated (`ChatSession.ask_messages`).
         max_queue: jobs allowed to wait behind the running ones; a request beyond that gets 429.
-        parallel: slots, i.e. jobs generating at once."""
+        parallel: slots, i.e. jobs generating at once.
+        choose: picks a job's slot from the free ones, least recently used first (default: that one)."""
 
     def __init__(self, run: Callable[[GenerationParams, int], tuple[Any, Iterator[Any]]], max_queue: int,
-                 parallel: int = 1):
+                 parallel: int = 1, choose: Optional[Callable[[GenerationParams, list[int]], int]] = None):
         self._run = run
         self.max_queue = max_queue
         self.parallel = parallel
@@ -86,7 +87,8 @@ class EngineWorker:
         self._waiting: deque[Job] = deque()
         self._running: set[Job] = set()
         self._stopping: Optional[ApiError] = None
-        self._free = set(range(parallel))  # slots no job runs in
+        self._free = list(range(parallel))  # slots no job runs in, least recently used first
+        self._choose = choose or (lambda params, free: free[0])
         self._threads = [threading.Thread(target=self._loop, name=f"specquant-engine-{i}", daemon=True)
                          for i in range(parallel)]
         self._mean_s: Optional[float] = None
@@ -198,8 +200,8 @@ class EngineWorker:
                     return
                 job = self._waiting.popleft()
                 self._running.add(job)
-                slot = min(self._free)  # the lowest: running requests stay in consecutive sequences
-                self._free.discard(slot)
+                slot = self._pick(job)
+                self._free.remove(slot)
             t0 = time.perf_counter()
             outcome = "failed"
             try:
@@ -207,12 +209,21 @@ class EngineWorker:
             finally:
                 with self._cond:
                     self._running.discard(job)
-                    self._free.add(slot)
+                    self._free.append(slot)
                     job.done = True
                     self.counts[outcome] += 1
                     took = time.perf_counter() - t0
                     self._mean_s = took if self._mean_s is None else \
                         (1 - EWMA_WEIGHT) * self._mean_s + EWMA_WEIGHT * took
+
+    def _pick(self, job: Job) -> int:
+        """The job's slot (`choose`: the one holding the longest prefix of its prompt); the least recently used
+        free slot when the choice fails."""
+        try:
+            slot = self._choose(job.params, list(self._free))
+        except Exception:  # noqa: BLE001 - a choice is an optimization: its failure costs a prefill, not the job
+            slot = None
+        return slot if slot in self._free else self._free[0]
 
     def _execute(self, job: Job, slot: int) -> str:
         """Run one job to its end; returns which counter it adds to: served, cancelled or failed."""

@@ -95,15 +95,17 @@ def family_placements(facts: Facts, fam, n_ctx: int) -> dict:
             if p in roles and (d is None or d in roles)}
 
 
-def require_fit(facts: Facts, fam, roles: list[str], n_ctx: int) -> Placement:
+def require_fit(facts: Facts, fam, roles: list[str], n_ctx: int, reserve: int = 0) -> Placement:
     """Refuse, before loading anything, a set of models that does not fit where it would run. The parent role is
-    the parent wherever it stands in `roles` (the first other role is the draft placed beside it)."""
+    the parent wherever it stands in `roles` (the first other role is the draft placed beside it). `reserve`: host
+    memory (bytes) needed beside the models (the prompt cache's budget)."""
     parent = PARENT_ROLE if PARENT_ROLE in roles else roles[0]
     rest = [r for r in roles if r != parent]
     pl = place(facts, need(fam, parent, n_ctx), need(fam, rest[0], n_ctx) if rest else None)
     extra = sum(need(fam, r, n_ctx).total for r in rest[1:])  # further roles run on the CPU
-    ram = pl.ram_bytes + extra
+    ram = pl.ram_bytes + extra + reserve
     if not fits_ram(facts, ram):
-        raise ResourceError(f"models {', '.join(roles)} need ~{ram / 2**30:.2f} GiB of RAM, "
+        beside = f" with the prompt cache's {reserve / 2**30:.2f} GiB (--cache-ram)" if reserve else ""
+        raise ResourceError(f"models {', '.join(roles)}{beside} need ~{ram / 2**30:.2f} GiB of RAM, "
                             f"{facts.ram_available / 2**30:.2f} GiB available")
     return pl

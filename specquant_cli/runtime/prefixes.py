@@ -1,0 +1,339 @@
+"""Prefill once: what a sequence about to prefill a prompt takes instead of decoding it.
+
+A parent's prompt is the expensive part on a CPU (~15 ms a token for the 1.5B F16 parent), and assistants,
+agents and RAG templates resend the same long prefix on every turn. Before a sequence prefills, `PrefixSharing`
+looks for the longest prefix of its prompt that is already computed:
+
+- in its own cache (llama.cpp keeps what the sequence held: the last turn of its conversation);
+- in another sequence of the same context: the contexts hold all their sequences in one unified KV cache, so
+  another sequence's cells are given to this one (`llama_memory_seq_cp`: metadata only, no copy, no prefill);
+- in the `PromptCache`: sequence states (`llama_state_seq_get_data`) kept in host RAM, under a byte budget,
+  when a sequence was about to be reused for another prompt; least recently used out; optionally written to a
+  folder (`--cache-dir`) that a later server reads back, refusing entries of another model, build or context.
+
+When another sequence is prefilling a prompt that shares a longer prefix with this one (two conversations over one
+system prompt arriving together), this one waits for it to pass the shared part, then takes it: the shared prefix
+is computed once. Only the parent's sequences take part: a model draft imports the parent's KV, as always.
+
+The KV cells a prefix is made of are the ones a cold prefill would make, computed in other batches: the same
+tokens' keys and values up to the float rounding of another batch shape, as the sequence's own cache already was."""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import hashlib
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from specquant_cli.backend.llama import common_prefix
+
+MIN_REUSE = 16  # tokens: a shorter prefix is prefilled, not copied, restored or cached
+WAIT_S = 600.0  # the longest a sequence waits for another's prefill of their shared prefix
+POLL_S = 0.02
+ENTRY_OVERHEAD = 256  # bytes of bookkeeping per cached state
+MAGIC = b"SQPC1\n"  # a cache file's first bytes
+SUFFIX = ".sqpc"
+
+
+@dataclass
+class Entry:
+    """One cached parent sequence: the tokens it held and its state as llama.cpp serialized it."""
+
+    tokens: array.array  # 'i': 4 bytes a token
+    state: ctypes.Array
+    size: int  # bytes of `state`
+    file: Optional[Path] = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.size + 4 * len(self.tokens) + ENTRY_OVERHEAD
+
+
+class PromptCache:
+    """Parent sequence states in host RAM, keyed by their tokens, least recently used out, never above `budget`
+    bytes. `tag` names what a state is valid for (parent weights, llama.cpp build, context size): entries read from
+    `directory` carry it, and one with another tag, or a file that does not check out, is refused (and left alone)."""
+
+    def __init__(self, budget: int, tag: str, directory: Optional[Path] = None, report=None):
+        self.budget = max(0, int(budget))
+        self.tag = tag
+        self.directory = directory
+        self._entries: OrderedDict[int, Entry] = OrderedDict()  # oldest first
+        self._next = 0
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.counts = {"hits": 0, "misses": 0, "evictions": 0, "restored_tokens": 0, "copied_tokens": 0,
+                       "refused_files": 0}
+        if directory is not None:
+            self._read_folder(report)
+
+    # -- lookup and store ------------------------------------------------------------------------
+    def best(self, tokens: Sequence[int]) -> tuple[Optional[Entry], int]:
+        """The entry sharing the longest prefix with `tokens`, and that length; the entry becomes the most
+        recently used."""
+        with self._lock:
+            found, n = None, 0
+            for key, e in self._entries.items():
+                k = common_prefix(e.tokens, tokens)
+                if k > n:
+                    found, n, at = e, k, key
+            if found is not None:
+                self._entries.move_to_end(at)
+            return found, n
+
+    def covers(self, tokens: Sequence[int]) -> bool:
+        """Whether an entry already holds all of `tokens` (as its prefix)."""
+        with self._lock:
+            return any(len(e.tokens) >= len(tokens) and common_prefix(e.tokens, tokens) == len(tokens)
+                       for e in self._entries.values())
+
+    def put(self, tokens: Sequence[int], state: tuple[ctypes.Array, int]) -> bool:
+        """Keep `state` (a sequence holding `tokens`), evicting the least recently used entries to stay within the
+        budget; an entry whose tokens are a prefix of these goes (this one holds it all). False when it alone is
+        over the budget."""
+        buf, size = state
+        entry = Entry(array.array("i", tokens), buf, size)
+        if entry.nbytes > self.budget:
+            return False
+        with self._lock:
+            for key in [k for k, e in self._entries.items()
+                        if len(e.tokens) <= len(tokens) and common_prefix(e.tokens, tokens) == len(e.tokens)]:
+                self._drop(key)
+            while self.bytes + entry.nbytes > self.budget and self._entries:
+                self._drop(next(iter(self._entries)))
+                self.counts["evictions"] += 1
+            self._entries[self._next] = entry
+            self._next += 1
+            self.bytes += entry.nbytes
+        if self.directory is not None:
+            self._write(entry)
+        return True
+
+    def _drop(self, key: int) -> None:
+        e = self._entries.pop(key)
+        self.bytes -= e.nbytes
+        if e.file is not None:
+            with contextlib.suppress(OSError):
+                e.file.unlink()
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[name] += n
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"enabled": True, "budget_bytes": self.budget, "bytes": self.bytes, "entries": len(self._entries),
+                    **{k: v for k, v in self.counts.items()},
+                    "dir": str(self.directory) if self.directory is not None else None}
+
+    # -- the folder ------------------------------------------------------------------------------
+    def _write(self, e: Entry) -> None:
+        """The entry as one file (header line, tokens, state, then its sha256), written whole or not at all."""
+        from specquant_cli.fsutil import write_bytes_atomic
+
+        head = json.dumps({"tag": self.tag, "tokens": len(e.tokens), "state": e.size}).encode() + b"\n"
+        body = MAGIC + head + e.tokens.tobytes() + bytes(memoryview(e.state)[:e.size])
+        digest = hashlib.sha256(body).hexdigest()[:32]
+        path = self.directory / f"{digest}{SUFFIX}"
+        try:
+            write_bytes_atomic(path, body + hashlib.sha256(body).digest())
+            e.file = path
+        except OSError:
+            pass  # the RAM entry stands; the folder only loses it
+
+    def _read_folder(self, report) -> None:
+        """Entries of the folder, newest last, within the budget; files another server wrote for other weights, a
+        build or context size, and files that do not check out, are counted as refused and left where they are."""
+        try:
+            files = sorted(self.directory.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
+        except OSError:
+            return
+        for path in files:
+            entry = self._read(path)
+            if entry is None:
+                self.counts["refused_files"] += 1
+                continue
+            while self.bytes + entry.nbytes > self.budget and self._entries:
+                self._drop(next(iter(self._entries)))
+            if entry.nbytes <= self.budget:
+                self._entries[self._next] = entry
+                self._next += 1
+                self.bytes += entry.nbytes
+        if report is not None and self.counts["refused_files"]:
+            report.warn(f"prompt cache: {self.counts['refused_files']} file(s) in {self.directory} refused (another "
+                        "model, build or context size, or damaged)")
+
+    def _read(self, path: Path) -> Optional[Entry]:
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            return None
+        body, digest = raw[:-32], raw[-32:]
+        if len(raw) < len(MAGIC) + 32 or not body.startswith(MAGIC) or hashlib.sha256(body).digest() != digest:
+            return None
+        end = body.find(b"\n", len(MAGIC))
+        try:
+            head = json.loads(body[len(MAGIC):end])
+            n, size = int(head["tokens"]), int(head["state"])
+        except (ValueError, TypeError, KeyError):
+            return None
+        if head.get("tag") != self.tag or n < 1 or size < 1 or end + 1 + 4 * n + size != len(body):
+            return None
+        tokens = array.array("i")
+        tokens.frombytes(body[end + 1:end + 1 + 4 * n])
+        state = (ctypes.c_uint8 * size).from_buffer_copy(body, end + 1 + 4 * n)
+        return Entry(tokens, state, size, path)
+
+
+def cache_tag(family, n_ctx: int) -> str:
+    """What a cached state is valid for: the parent's weights (their sha256 in the manifest, else the file's size
+    and name), the llama.cpp build and CPU, the context size of a sequence."""
+    from specquant_cli.backend import selftest
+    from specquant_cli.family.roles import PARENT_ROLE
+
+    v = family.variant(PARENT_ROLE)
+    weights = v.get("sha256") or f"{family.path(PARENT_ROLE).name}:{family.path(PARENT_ROLE).stat().st_size}"
+    return hashlib.sha256(f"{weights}\n{selftest.key()}\n{n_ctx}".encode()).hexdigest()[:24]
+
+
+class PrefixSharing:
+    """The parent sequences of one context (`views`: each a PrefixCache with `seq`, `tokens`, `ctx`) and the
+    prompt cache (None: off); `reuse` False takes nothing, not even a sequence's own prefix. `ops` is the lock
+    every llama.cpp call on the context holds; `away`, when given, is a context manager under which a waiting
+    sequence does not hold the batcher's rounds back."""
+
+    def __init__(self, views: list, cache: Optional[PromptCache], ops, away=None, reuse: bool = True):
+        self.views = list(views)
+        self.reuse = reuse  # False (--no-prompt-cache): every prompt is prefilled whole, its own prefix included
+        self.cache = cache
+        self.ops = ops
+        self.away = away or contextlib.nullcontext
+        self._targets: dict[int, tuple[int, ...]] = {}  # seq -> the prompt it is prefilling now
+        self._lock = threading.Condition()
+        self.counts = {"copied_tokens": 0, "restored_tokens": 0, "waits": 0}
+        for v in self.views:
+            v.prefixes = self
+
+    def prefill(self, view, tokens: Sequence[int]) -> int:
+        """Make `view` hold exactly `tokens`, taking the longest computed prefix there is; returns tokens decoded."""
+        tokens = tuple(tokens)
+        if not self.reuse:
+            view.rewind(0)
+            return view.sync(tokens, logits="none")
+        self._keep(view, tokens)
+        with self._prefilling(view, tokens):
+            self._take(view, tokens)
+            return view.sync(tokens, logits="none")
+
+    def _keep(self, view, tokens: tuple[int, ...]) -> None:
+        """Before `view` gives up what it holds beyond `tokens`' prefix, its state goes to the prompt cache (unless a
+        sequence or an entry holds it all already)."""
+        held = list(view.tokens)
+        if self.cache is None or len(held) < MIN_REUSE or common_prefix(held, tokens) >= len(held) - MIN_REUSE:
+            return
+        with self.ops:
+            if any(v is not view and common_prefix(v.tokens, held) == len(held) for v in self.views):
+                return
+        if self.cache.covers(held):
+            return
+        with self.ops:
+            state = view.ctx.export_state(view.seq)
+        self.cache.put(held, state)
+
+    @contextlib.contextmanager
+    def _prefilling(self, view, tokens: tuple[int, ...]) -> Iterator[None]:
+        """While `view` prefills `tokens`, others sharing a longer prefix wait for it; it first waits for any other
+        prefill whose prompt shares more with `tokens` than what is computed anywhere."""
+        with self._lock:
+            deadline = time.monotonic() + WAIT_S
+            while self._ahead(view, tokens) is not None and time.monotonic() < deadline:
+                self.counts["waits"] += 1
+                with self.away():
+                    self._lock.wait(POLL_S)
+            self._targets[view.seq] = tokens
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._targets.pop(view.seq, None)
+                self._lock.notify_all()
+
+    def _ahead(self, view, tokens: tuple[int, ...]) -> Optional[int]:
+        """A sequence prefilling a prompt that shares with `tokens` a prefix it has not yet computed, longer than
+        what `view` could take now; None when none is."""
+        have = max(self._available(view, tokens), 0)
+        for seq, target in self._targets.items():
+            if seq == view.seq:
+                continue
+            shared = common_prefix(target, tokens)
+            other = self._view(seq)
+            if shared >= have + MIN_REUSE and other is not None and len(other.tokens) < shared:
+                return seq
+        return None
+
+    def _view(self, seq: int):
+        return next((v for v in self.views if v.seq == seq), None)
+
+    def _available(self, view, tokens: Sequence[int]) -> int:
+        """The longest prefix of `tokens` computed now: in `view`, another sequence, or the cache."""
+        n = common_prefix(view.tokens, tokens)
+        for v in self.views:
+            if v is not view:
+                n = max(n, common_prefix(v.tokens, tokens))
+        if self.cache is not None:
+            with self.cache._lock:
+                for e in self.cache._entries.values():
+                    n = max(n, common_prefix(e.tokens, tokens))
+        return n
+
+    def _take(self, view, tokens: tuple[int, ...]) -> None:
+        """Give `view` the longest computed prefix of `tokens` held elsewhere (another sequence's cells, else a
+        cached state), when it beats its own by MIN_REUSE tokens."""
+        own = common_prefix(view.tokens, tokens)
+        with self.ops:
+            donors = [(common_prefix(v.tokens, tokens), v) for v in self.views if v is not view]
+            n, donor = max(donors, key=lambda d: d[0], default=(0, None))
+            if donor is not None and n >= own + MIN_REUSE:
+                view.rewind(own)
+                view.ctx.copy_seq(donor.seq, view.seq, own, n)
+                view.tokens[:] = tokens[:n]
+                self._count("copied_tokens", n - own)
+                return
+        if self.cache is None:
+            return
+        entry, n = self.cache.best(tokens)
+        if entry is None or n < own + MIN_REUSE:
+            self.cache.count("misses")
+            return
+        with self.ops:
+            view.rewind(0)
+            if not view.ctx.load_state((entry.state, entry.size), view.seq):
+                return  # llama.cpp refused it (no room): the prompt is prefilled
+            view.tokens[:] = list(entry.tokens)
+            view.rewind(n)
+        self.cache.count("hits")
+        self._count("restored_tokens", n - own)
+
+    def _count(self, name: str, n: int) -> None:
+        self.counts[name] += n
+        if self.cache is not None and name in self.cache.counts:
+            self.cache.count(name, n)
+
+    def status(self) -> dict:
+        """The prompt cache's use and budget with what was shared (prompt_cache_status's shape)."""
+        if self.cache is not None:
+            return self.cache.status()
+        return {"enabled": False, "budget_bytes": 0, "bytes": 0, "entries": 0, "hits": 0, "misses": 0,
+                "evictions": 0, "restored_tokens": 0, "copied_tokens": self.counts["copied_tokens"], "dir": None}
+
+
+def budget_bytes(mib: Optional[float]) -> int:
+    return int((mib or 0) * (1 << 20))
