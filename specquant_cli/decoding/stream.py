@@ -30,6 +30,7 @@ class Response:
     token: Optional[int]
     from_draft: bool
     prompt_tokens: int
+    prefill_tokens: int  # prompt tokens the parent decoded (the rest it had cached)
     new_tokens: int
     drafted: int
     accepted: int
@@ -64,7 +65,8 @@ def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finis
     total = time.perf_counter() - t0
     decode = total - s.parent_prefill_s
     return Response(
-        text=text, token=token, from_draft=from_draft, prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens,
+        text=text, token=token, from_draft=from_draft, prompt_tokens=s.prompt_tokens,
+        prefill_tokens=s.prefill_tokens, new_tokens=s.new_tokens,
         drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.accepted / s.drafted if s.drafted else 0.0,
         mean_accepted_length=s.new_tokens / s.parent_calls if s.parent_calls else 0.0,
         parent_calls=s.parent_calls, prefill_s=s.prefill_s, parent_prefill_s=s.parent_prefill_s,

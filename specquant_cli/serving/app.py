@@ -23,9 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from specquant_cli.serving.metrics import CONTENT_TYPE, Metrics, Observation, outcome_of
 from specquant_cli.serving.schemas import (
     ApiError,
     ChunkMaker,
+    GenerationParams,
     chat_params,
     chat_response,
     completion_params,
@@ -62,6 +64,7 @@ PAGE_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosni
 def create_app(svc: Service):
     """The ASGI application to serve: the FastAPI routes inside the guard."""
     app = FastAPI(title="specquant", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = Metrics(svc, svc.policies)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
@@ -87,6 +90,10 @@ def create_app(svc: Service):
                 "prompt_cache": svc.prompt_cache_status(), **svc.worker.status()}
         return JSONResponse(body, status_code=503 if stopping else 200)
 
+    @app.get("/metrics")
+    async def prometheus():  # behind the API key when one is set
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
     _add_page(app)
 
     @app.get("/v1/models")
@@ -102,11 +109,11 @@ def create_app(svc: Service):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generate(svc, request, chat=True)
+        return await _generate(svc, request, metrics.observe(), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generate(svc, request, chat=False)
+        return await _generate(svc, request, metrics.observe(), chat=False)
 
     return Guard(app, svc.api_key, public=PUBLIC_PATHS, policy=svc.origin_policy)
 
@@ -124,18 +131,10 @@ def _add_page(app: FastAPI) -> None:
 
 # -- generation -----------------------------------------------------------------------------------
 
-async def _generate(svc: Service, request: Request, chat: bool):
-    body = await read_json(request, svc.max_body)
-    header_policy = request.headers.get(POLICY_HEADER)
-
-    def resolve(p: Optional[str]) -> str:
-        return svc.policy_for(p or header_policy, "specquant_policy" if p else POLICY_HEADER)
-
-    params = (chat_params if chat else completion_params)(body, resolve)
-    job = Job(params, asyncio.get_running_loop())
-    svc.worker.submit(job)
+async def _generate(svc: Service, request: Request, obs: Observation, chat: bool):
+    params, job = await _admit(svc, request, obs, chat)
     notes = _notes(request)
-    notes["end"] = lambda: svc.worker.cancel(job, disconnected())  # the guard's catch-all, once answered
+    notes["end"] = lambda: _end(svc, job, obs)  # the guard's catch-all, once answered
 
     watcher = asyncio.create_task(_watch_disconnect(request, svc, job))
     try:
@@ -145,23 +144,59 @@ async def _generate(svc: Service, request: Request, chat: bool):
         if params.stream:
             watcher.cancel()  # from here Starlette's own listener cancels the stream on a disconnect
             maker = ChunkMaker(chat, svc.family.name, params.include_usage)
-            return StreamingResponse(_sse(svc, job, maker, answer, payload, notes), media_type="text/event-stream",
+            return StreamingResponse(_sse(svc, job, maker, answer, payload, notes, obs),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        parts = []
-        while True:
-            if kind == "error":
-                raise payload
-            rec = payload
-            parts.append(rec.text)
-            notes["gen"] = (answer, rec)
-            if rec.finish_reason is not None:
-                break
-            kind, payload = await job.get()
+        text, rec = await _collect(job, answer, payload, notes, obs)
         build = chat_response if chat else completion_response
-        return JSONResponse(build(new_id("chatcmpl" if chat else "cmpl"), now(), svc.family.name, "".join(parts),
-                                  answer, rec))
+        response = JSONResponse(build(new_id("chatcmpl" if chat else "cmpl"), now(), svc.family.name, text,
+                                      answer, rec))
+        obs.end("served")
+        return response
+    except BaseException as e:
+        obs.end(outcome_of(e))
+        raise
     finally:
         watcher.cancel()
+
+
+async def _admit(svc: Service, request: Request, obs: Observation, chat: bool) -> tuple[GenerationParams, Job]:
+    """The request's params and its job, queued; a request refused before that is observed as rejected."""
+    try:
+        body = await read_json(request, svc.max_body)
+        header_policy = request.headers.get(POLICY_HEADER)
+
+        def resolve(p: Optional[str]) -> str:
+            return svc.policy_for(p or header_policy, "specquant_policy" if p else POLICY_HEADER)
+
+        params = (chat_params if chat else completion_params)(body, resolve)
+        job = Job(params, asyncio.get_running_loop())
+        svc.worker.submit(job)
+    except ApiError:
+        obs.end("rejected")
+        raise
+    return params, job
+
+
+def _end(svc: Service, job: Job, obs: Observation) -> None:
+    """Once answered: a job still running has nobody to answer (e.g. a stream never read) and is cancelled."""
+    svc.worker.cancel(job, disconnected())
+    obs.end("cancelled")  # unless the request was observed to an end already
+
+
+async def _collect(job: Job, answer, rec, notes: dict, obs: Observation) -> tuple[str, Any]:
+    """The whole text of a plain (not streamed) answer from its first record `rec` on, and its last record."""
+    parts = []
+    while True:
+        parts.append(rec.text)
+        notes["gen"] = (answer, rec)
+        obs.record(answer, rec)
+        if rec.finish_reason is not None:
+            return "".join(parts), rec
+        kind, payload = await job.get()
+        if kind == "error":
+            raise payload
+        rec = payload
 
 
 async def _first(job: Job):
@@ -184,8 +219,9 @@ async def _watch_disconnect(request: Request, svc: Service, job: Job) -> None:
             return
 
 
-async def _sse(svc: Service, job: Job, maker: ChunkMaker, answer, first, notes: dict) -> AsyncIterator[str]:
-    ended = False
+async def _sse(svc: Service, job: Job, maker: ChunkMaker, answer, first, notes: dict,
+               obs: Observation) -> AsyncIterator[str]:
+    outcome = None  # until the stream ends
     try:
         opening = maker.first(answer)
         if opening is not None:
@@ -195,10 +231,11 @@ async def _sse(svc: Service, job: Job, maker: ChunkMaker, answer, first, notes: 
             if kind == "error":  # e.g. SIGTERM: end the stream with an error event in OpenAI's shape
                 notes["error"] = payload.message
                 yield _event(payload.body())
-                ended = True
+                outcome = outcome_of(payload)
                 return
             rec = payload
             notes["gen"] = (answer, rec)
+            obs.record(answer, rec)
             if rec.text:
                 yield _event(maker.text(answer, rec))
             if rec.finish_reason is not None:
@@ -206,12 +243,13 @@ async def _sse(svc: Service, job: Job, maker: ChunkMaker, answer, first, notes: 
                 if maker.include_usage:
                     yield _event(maker.usage(rec))
                 yield "data: [DONE]\n\n"
-                ended = True
+                outcome = "served"
                 return
             kind, payload = await job.get()
     finally:
-        if not ended:  # the client went away (Starlette cancelled us): stop generating for nobody
+        if outcome is None:  # the client went away (Starlette cancelled us): stop generating for nobody
             svc.worker.cancel(job, disconnected())
+        obs.end(outcome or "cancelled")
 
 
 def _event(obj: Any) -> str:
