@@ -15,8 +15,8 @@ from specquant_cli.backend.llama import Detokenizer
 from specquant_cli.decoding.engine import Engine
 from specquant_cli.names import FinishReason, Source
 
-STAT_FIELDS = ("prompt_tokens", "prefill_tokens", "new_tokens", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
-               "parent_calls", "prefill_s", "parent_prefill_s", "draft_prefill_s", "kv_import_s", "kv_import",
+STAT_FIELDS = ("prompt_tokens", "prefill_tokens", "new_tokens", "drafted", "accepted", "acceptance_rate",
+               "mean_accepted_length", "parent_calls", "prefill_s", "parent_prefill_s", "draft_prefill_s", "kv_import_s", "kv_import",
                "draft_s", "verify_s", "total_s", "tokens_per_s", "decode_tokens_per_s", "finish_reason", "levels",
                "guard_stop")
 
@@ -30,7 +30,7 @@ class Response:
     token: Optional[int]
     from_draft: bool
     prompt_tokens: int
-    prefill_tokens: int  # prompt tokens the parent decoded (the rest it had cached)
+    prefill_tokens: int  # prompt tokens the parent decoded (the rest it held, or took: runtime.prefixes)
     new_tokens: int
     drafted: int
     accepted: int
@@ -51,8 +51,6 @@ class Response:
     spans: list[Span] = field(default_factory=list)  # `text` piece by piece, with each piece's source
     levels: dict = field(default_factory=dict)  # the drafter's counters over the answer (EngineStats.levels)
     guard_stop: Optional[int] = None  # tokens into the answer when its rate guard stopped drafting
-    prefill_tokens: int = 0  # prompt tokens the parent decoded (the rest it held, or took from another sequence or
-    # the prompt cache: runtime.prefixes)
 
     def stats(self) -> dict:
         d = asdict(self)
@@ -73,7 +71,7 @@ def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finis
         draft_prefill_s=s.draft_prefill_s, kv_import_s=s.kv_import_s, kv_import=s.kv_import, draft_s=s.draft_s,
         verify_s=s.verify_s, total_s=total, tokens_per_s=s.new_tokens / total if total > 0 else 0.0,
         decode_tokens_per_s=s.new_tokens / decode if decode > 0 else 0.0, finish_reason=finish, spans=list(spans),
-        levels=dict(s.levels), guard_stop=s.guard_stop, prefill_tokens=s.prefill_tokens)
+        levels=dict(s.levels), guard_stop=s.guard_stop)
 
 
 def _split(spans: Sequence[Span], n: int) -> tuple[list[Span], list[Span]]:

@@ -115,12 +115,6 @@ class Service:
                                 f"{', '.join(self.policies)}", param=param, code="invalid_policy")
         return requested
 
-    def prompt_cache_status(self) -> Optional[dict]:
-        """The prompt cache's figures for GET /metrics, None while there is no cache. A placeholder: the prompt
-        cache provides it (enabled, budget_bytes, bytes, entries, hits, misses, evictions, restored_tokens,
-        copied_tokens, dir)."""
-        return None
-
     def model_card(self) -> dict:
         fam = self.family
         return {"id": fam.name, "object": "model", "created": self.created,
