@@ -16,7 +16,8 @@ from specquant_cli.decoding.engine import Engine
 from specquant_cli.names import FinishReason, Source
 
 STAT_FIELDS = ("prompt_tokens", "prefill_tokens", "new_tokens", "drafted", "accepted", "acceptance_rate",
-               "mean_accepted_length", "parent_calls", "prefill_s", "parent_prefill_s", "draft_prefill_s", "kv_import_s", "kv_import",
+               "mean_accepted_length", "parent_calls", "prefill_s", "parent_prefill_s", "draft_prefill_s",
+               "kv_import_s", "kv_import",
                "draft_s", "verify_s", "total_s", "tokens_per_s", "decode_tokens_per_s", "finish_reason", "levels",
                "guard_stop")
 
