@@ -16,6 +16,7 @@ from specquant_cli.serving.security import OriginPolicy
 from specquant_cli.serving.slots import LockedRouter
 from specquant_cli.serving.worker import EngineWorker
 
+SLOT_SIMILARITY = 0.5  # share of a prompt a free slot must hold to be chosen over the least recently used one
 RECOVER_POLL_S = 2.0  # how often a server that lost its RPC parent asks whether the workers are back
 
 
@@ -89,7 +90,9 @@ class Service:
 
     def slot_for(self, params: GenerationParams, free: list[int]) -> int:
         """Of the `free` slots (least recently used first), the one whose parent sequence shares the longest
-        prefix with this request's prompt; the least recently used on a tie."""
+        prefix with this request's prompt, when that is at least SLOT_SIMILARITY of it (its conversation's last
+        turn); else the least recently used (a shorter shared prefix, a system prompt, is copied from wherever it
+        is: runtime.prefixes)."""
         if self.prefixes is None or len(free) == 1:
             return free[0]
         try:
@@ -99,7 +102,8 @@ class Service:
         from specquant_cli.backend.llama import common_prefix
 
         views = self.prefixes.views
-        return max(free, key=lambda i: (common_prefix(views[i].tokens, prompt), -free.index(i)))
+        best = max(free, key=lambda i: (common_prefix(views[i].tokens, prompt), -free.index(i)))
+        return best if common_prefix(views[best].tokens, prompt) >= SLOT_SIMILARITY * len(prompt) else free[0]
 
     def prompt_tokens(self, params: GenerationParams) -> list[int]:
         model = self.runtime.tokenizer()

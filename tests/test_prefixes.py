@@ -1,0 +1,225 @@
+"""Prefill once (runtime.prefixes): a prompt takes the longest computed prefix there is — another sequence's cells
+(llama_memory_seq_cp), a cached state in RAM or on disk — and what it takes gives the tokens a cold prefill gives.
+The prompt cache stays within its budget, least recently used out, and refuses a folder entry of another model,
+build or context size, or a damaged one."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import pytest
+
+from specquant_cli.backend.llama import Context
+from specquant_cli.decoding.batch import Batcher, SeqView
+from specquant_cli.decoding.engine import Engine
+from specquant_cli.runtime.prefixes import ENTRY_OVERHEAD, MIN_REUSE, SUFFIX, PrefixSharing, PromptCache
+
+N = 12  # greedy tokens compared
+
+
+def state(n: int, fill: int = 7) -> tuple[ctypes.Array, int]:
+    buf = (ctypes.c_uint8 * n)(*([fill] * n))
+    return buf, n
+
+
+def size_of(tokens: int, nbytes: int) -> int:
+    return nbytes + 4 * tokens + ENTRY_OVERHEAD
+
+
+# -- the cache alone (its states are opaque bytes to it) --------------------------------------------------------
+def test_the_longest_shared_prefix_wins_and_becomes_the_most_recent():
+    c = PromptCache(1 << 20, "t")
+    c.put(list(range(100)), state(10))
+    c.put([1, 2, 3] * 40, state(10))
+    entry, n = c.best(list(range(60)) + [999])
+    assert n == 60 and list(entry.tokens) == list(range(100))
+    assert c.best([5, 5, 5])[0] is None
+
+
+def test_eviction_keeps_the_budget_and_drops_the_least_recently_used():
+    one = size_of(50, 1000)
+    c = PromptCache(3 * one, "t")
+    for k in range(3):
+        assert c.put([k] * 50, state(1000))
+    c.best([0] * 50)  # entry 0 is now the most recent: entry 1 goes first
+    c.put([3] * 50, state(1000))
+    assert c.bytes <= c.budget
+    kept = {e.tokens[0] for e in c._entries.values()}
+    assert kept == {0, 2, 3}
+    assert c.status()["evictions"] == 1
+    assert not c.put([9] * 50, state(4 * one))  # alone over the budget: refused, nothing evicted for it
+    assert {e.tokens[0] for e in c._entries.values()} == {0, 2, 3}
+
+
+def test_a_longer_state_replaces_the_entries_it_extends():
+    c = PromptCache(1 << 20, "t")
+    c.put(list(range(40)), state(10))
+    c.put(list(range(80)), state(10))
+    assert c.status()["entries"] == 1 and c.covers(list(range(40))) and c.covers(list(range(80)))
+    assert not c.covers(list(range(81)))
+
+
+def test_a_folder_entry_is_read_back_and_a_foreign_or_damaged_one_refused(tmp_path):
+    a = PromptCache(1 << 20, "tag-a", tmp_path)
+    a.put(list(range(30)), state(64, fill=3))
+    files = sorted(tmp_path.glob(f"*{SUFFIX}"))
+    assert len(files) == 1
+    back = PromptCache(1 << 20, "tag-a", tmp_path)
+    entry, n = back.best(list(range(30)))
+    assert n == 30 and bytes(entry.state) == bytes([3] * 64)
+    assert PromptCache(1 << 20, "tag-b", tmp_path).status()["entries"] == 0  # another model, build or context
+    raw = bytearray(files[0].read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    files[0].write_bytes(bytes(raw))
+    damaged = PromptCache(1 << 20, "tag-a", tmp_path)
+    assert damaged.status()["entries"] == 0 and damaged.status()["refused_files"] == 1
+    (tmp_path / f"short{SUFFIX}").write_bytes(b"SQ")
+    assert PromptCache(1 << 20, "tag-a", tmp_path).status()["refused_files"] == 2
+    assert files[0].exists()  # refused, not deleted: it may be another server's
+
+
+def test_an_evicted_entry_leaves_the_folder_too(tmp_path):
+    c = PromptCache(size_of(20, 100) + 10, "t", tmp_path)
+    c.put([1] * 20, state(100))
+    c.put([2] * 20, state(100))
+    assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 1
+    assert PromptCache(1 << 20, "t", tmp_path).best([2] * 20)[1] == 20
+
+
+# -- real contexts -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shared(models):
+    """Two sequences of one unified F16 context behind a batcher, as serve --parallel 2 runs them."""
+    ctx = Context(models["f16"], 2 * 1024, n_seq_max=2, kv_unified=True)
+    batcher = Batcher()
+    views = [SeqView(ctx, i, batcher, 1024) for i in range(2)]
+    yield ctx, batcher, views
+    ctx.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(models):
+    m = models["f16"]
+    system = "You answer questions about the harbour of Wellington. " * 12
+    return [m.chat_prompt([{"role": "system", "content": system}, {"role": "user", "content": q}])
+            for q in ("Name one ship.", "What is the weather like?", "Who built the pier?")]
+
+
+@pytest.fixture(scope="module")
+def cold(models):
+    """Greedy tokens of each prompt from a context of its own, prefilled from nothing."""
+    ctx = Context(models["f16"], 1024)
+
+    def run(prompt):
+        ctx.reset()
+        return [e.token for e in Engine(ctx).generate(prompt, N)]
+
+    yield run
+    ctx.close()
+
+
+def greedy(batcher, view, prompt) -> list[int]:
+    with batcher.member():
+        return [e.token for e in Engine(view).generate(prompt, N)]
+
+
+def test_a_prefix_copied_from_another_sequence_gives_the_cold_prefills_tokens(shared, prompts, cold):
+    _, batcher, views = shared
+    sharing = PrefixSharing(views, None, batcher.ops, batcher.away)
+    for v in views:
+        v.reset()
+    a, b = prompts[0], prompts[1]
+    assert greedy(batcher, views[0], a) == cold(a)
+    got = greedy(batcher, views[1], b)
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert common > 100 and sharing.status()["copied_tokens"] == common
+    assert got == cold(b)
+    assert views[1].tokens == list(b[:-1]) + got[:-1]  # what the sequence holds is what it says
+
+
+def test_a_state_restored_from_ram_or_disk_gives_the_cold_prefills_tokens(shared, prompts, cold, models, tmp_path):
+    ctx, batcher, views = shared
+    for v in views:
+        v.reset()
+    from specquant_cli.runtime.prefixes import cache_tag
+
+    cache = PromptCache(256 << 20, "real", tmp_path)
+    sharing = PrefixSharing(views, cache, batcher.ops, batcher.away)
+    a, c = prompts[0], prompts[2]
+    greedy(batcher, views[0], a)
+    held = list(views[0].tokens)
+    with batcher.member():
+        views[0].prefill([1, 2, 3] * 10)  # the slot is reused: what it held goes to the cache first
+    assert cache.status()["entries"] == 1 and cache.covers(held)
+    assert greedy(batcher, views[1], c) == cold(c)  # takes the system prompt from the cache
+    assert cache.status()["hits"] == 1 and cache.status()["restored_tokens"] > 100
+    assert views[1].tokens[:len(c) - 1] == list(c[:-1])
+    # a later server: the folder only
+    disk = PromptCache(256 << 20, "real", tmp_path)
+    for v in views:
+        v.reset()
+    PrefixSharing(views, disk, batcher.ops, batcher.away)
+    assert greedy(batcher, views[0], a) == cold(a)
+    assert disk.status()["hits"] == 1
+    assert cache_tag is not None and sharing.cache is cache
+
+
+def test_a_prefill_waits_for_another_of_the_same_prefix_and_takes_it(shared, prompts, cold):
+    _, batcher, views = shared
+    for v in views:
+        v.reset()
+    sharing = PrefixSharing(views, None, batcher.ops, batcher.away)
+    got: dict[int, list[int]] = {}
+    go = threading.Barrier(2)
+
+    def run(i, prompt):
+        go.wait()
+        got[i] = greedy(batcher, views[i], prompt)
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate(prompts[:2])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got[0] == cold(prompts[0]) and got[1] == cold(prompts[1])
+    common = next(i for i, (x, y) in enumerate(zip(*prompts[:2])) if x != y)
+    assert sharing.counts["waits"] > 0 and sharing.status()["copied_tokens"] >= common - MIN_REUSE
+
+
+def test_without_reuse_every_prompt_is_prefilled_whole(shared, prompts):
+    _, batcher, views = shared
+    for v in views:
+        v.reset()
+    PrefixSharing(views, None, batcher.ops, batcher.away, reuse=False)
+    with batcher.member():
+        assert views[0].prefill(prompts[0]) == len(prompts[0])
+        assert views[1].prefill(prompts[1]) == len(prompts[1])
+        assert views[0].prefill(prompts[0]) == len(prompts[0])  # not even its own prefix
+
+
+def test_a_sequence_prefills_in_chunks_while_another_decodes(models):
+    ctx = Context(models["f16"], 2 * 512, n_seq_max=2, kv_unified=True)
+    batcher = Batcher()
+    views = [SeqView(ctx, i, batcher, 512, prefill_chunk=32) for i in range(2)]
+    sizes = []
+    run = views[0]._decode_run
+    views[0]._decode_run = lambda chunk, rows: (sizes.append(len(chunk)), run(chunk, rows))
+    with batcher.member(), batcher.member():  # another request is decoding beside it
+        views[0].prefill(list(range(1, 101)))
+    with batcher.member():
+        views[0].reset()
+        views[0].prefill(list(range(1, 101)))
+    assert sizes == [32, 32, 32, 4, 100]
+    ctx.close()
+
+
+def test_the_cache_tag_names_the_weights_build_and_context(family):
+    from specquant_cli.runtime.prefixes import cache_tag
+
+    assert cache_tag(family, 1024) == cache_tag(family, 1024) != cache_tag(family, 2048)
+
+
+def _unused(path: Path) -> None:  # keeps the import list honest for type checkers
+    del path
