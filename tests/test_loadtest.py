@@ -121,8 +121,9 @@ class FakeServer:
     """An OpenAI-compatible chat server that streams `reply to: <last user message>` in pieces (with `usage` when
     asked, unless `usage` is off), and records every request's body and headers."""
 
-    def __init__(self, key=None, usage=True, delay=0.0, pieces=4, fail_on=None):
+    def __init__(self, key=None, usage=True, delay=0.0, pieces=4, fail_on=None, cut_on=None, plain_on=None):
         self.key, self.usage, self.delay, self.pieces, self.fail_on = key, usage, delay, pieces, fail_on
+        self.cut_on, self.plain_on = cut_on, plain_on  # questions answered by a cut stream / plain JSON
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         server = self
@@ -163,6 +164,9 @@ class FakeServer:
                 if server.fail_on and server.fail_on in question:
                     self._json(500, {"error": {"message": "scripted failure"}})
                     return
+                if server.plain_on and server.plain_on in question:
+                    self._json(200, {"choices": [{"message": {"role": "assistant", "content": "hi"}}]})
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
@@ -175,12 +179,15 @@ class FakeServer:
                 chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
                 if server.usage and (body.get("stream_options") or {}).get("include_usage"):
                     chunks.append({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 2 * n}})
+                if server.cut_on and server.cut_on in question:
+                    chunks = chunks[:2]  # the server dies mid-answer
                 try:
                     for c in chunks:
                         self.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
                         self.wfile.flush()
                         time.sleep(server.delay)
-                    self.wfile.write(b"data: [DONE]\n\n")
+                    if not (server.cut_on and server.cut_on in question):
+                        self.wfile.write(b"data: [DONE]\n\n")
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
@@ -282,6 +289,16 @@ def test_a_failed_request_is_recorded_and_ends_its_conversation(fake):
     assert s["requests"] == {"planned": 6, "sent": 5, "succeeded": 4, "failed": 1, "no_content": 0}
     assert s["goodput"]["requests"] == 4 and s["goodput"]["share"] == pytest.approx(4 / 6, abs=1e-4)
     assert "failed: HTTP 500" in r.stderr
+
+
+def test_a_cut_stream_and_an_answer_that_is_no_stream_are_failures(fake):
+    srv = fake(cut_on="Australia", plain_on="Mona Lisa")  # the first two built-in questions
+    r, rep = loadtest(srv.url, "--conversations", "3", "--concurrency", "3")
+    assert r.exit_code == 0, r.stderr
+    errors = [q["error"] for q in rep["requests"]]
+    assert errors[0].startswith("the event stream ended before the answer did")
+    assert errors[1] == "the answer is no event stream (Content-Type: application/json)"
+    assert errors[2] is None and rep["summary"]["requests"]["succeeded"] == 1
 
 
 def test_poisson_run_starts_each_conversation_at_its_arrival(fake):

@@ -209,17 +209,23 @@ async def stream_chat(client, target: Target, result: RequestResult, clock: Call
     t0 = clock()
     last = None
     usage_tokens = None
+    done = False
     try:
         async with client.stream("POST", target.url + "/v1/chat/completions", json=target.body(result.messages),
                                  headers=target.headers()) as resp:
             if resp.status_code != 200:
                 result.error = _error_text(resp.status_code, await resp.aread())
                 return result
+            kind = resp.headers.get("content-type", "")
+            if not kind.startswith("text/event-stream"):
+                result.error = f"the answer is no event stream (Content-Type: {kind or 'none'})"
+                return result
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 try:
                     chunk = json.loads(data)
@@ -230,16 +236,16 @@ async def stream_chat(client, target: Target, result: RequestResult, clock: Call
                     continue
                 if chunk.get("error"):
                     e = chunk["error"]
-                    result.error = "error event: " + (e.get("message", str(e)) if isinstance(e, dict) else str(e))
+                    result.error = "error event: " + str(e.get("message", e) if isinstance(e, dict) else e)
                     return result
                 usage = chunk.get("usage")
-                if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-                    usage_tokens = int(usage["completion_tokens"])
+                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                    usage_tokens = usage["completion_tokens"]
                     result.prompt_tokens = usage.get("prompt_tokens")
                 for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    content = delta.get("content")
-                    if content:
+                    delta = choice.get("delta") if isinstance(choice, dict) else None
+                    content = delta.get("content") if isinstance(delta, dict) else None
+                    if isinstance(content, str) and content:
                         now = clock()
                         if last is None:
                             result.ttft_s = now - t0
@@ -247,8 +253,11 @@ async def stream_chat(client, target: Target, result: RequestResult, clock: Call
                             result.itl_s.append(now - last)
                         last = now
                         parts.append(content)
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
+                    if isinstance(choice, dict) and choice.get("finish_reason"):
+                        result.finish_reason = str(choice["finish_reason"])
+            if not done and result.finish_reason is None:
+                result.error = "the event stream ended before the answer did (no finish_reason, no [DONE])"
+                return result
     except httpx.HTTPError as e:
         result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         return result
