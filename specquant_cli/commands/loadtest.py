@@ -24,8 +24,9 @@ def _positive(value: Optional[float]) -> Optional[float]:
 
 def register(app: typer.Typer) -> None:
     app.command("loadtest", help="Load an OpenAI-compatible server (specquant serve, llama-server, …) with streamed "
-                                 "conversations: TTFT, inter-token latency, throughput, goodput; optionally each "
-                                 "answer's fidelity to the parent alone.")(loadtest)
+                                 "conversations: TTFT, inter-token latency, throughput, goodput. JSON on stdout, every "
+                                 "answer in it; with --family (or SPECQUANT_FAMILY) each answer is judged against "
+                                 "the parent alone here, after the run.")(loadtest)
 
 
 @with_settings("runtime.family", "runtime.ctx", "runtime.threads", "runtime.mmap")
