@@ -116,6 +116,7 @@ def _register() -> None:
         calibrate_activations,
         chat,
         doctor,
+        loadtest,
         pull,
         quantize,
         route,
@@ -123,7 +124,7 @@ def _register() -> None:
         worker,
     )
 
-    for mod in (pull, quantize, calibrate_activations, doctor, route, calibrate, chat, bench, serve, worker):
+    for mod in (pull, quantize, calibrate_activations, doctor, route, calibrate, chat, bench, loadtest, serve, worker):
         mod.register(app)
 
 

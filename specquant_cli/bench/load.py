@@ -1,0 +1,505 @@
+"""A load benchmark for any OpenAI-compatible server (`specquant loadtest`): conversations sent as streamed greedy
+chat completions, timed per request, summarized as latency percentiles, throughput and goodput.
+
+The pieces, each usable alone:
+- `system_prompt(tokens)`: a deterministic long system prompt (an assistant policy of numbered rules), so that two
+  servers benchmarked apart see the very same prompts.
+- `conversations(...)`: the scenario as data: who says what, in which turn, with which system prompt.
+- `arrival_times(n, rate, seed)`: Poisson arrivals (exponential gaps), seeded and reproducible.
+- `run(...)`: the load itself (asyncio + httpx): conversations start at their arrival time, at most
+  `concurrency` in flight; turn k of a conversation carries every earlier turn and the server's own answers.
+- `summarize(...)`, `percentiles(...)`, `goodput(...)`: the report's figures from the per-request timings.
+- `judge(...)`: after the run, the parent alone answers every request's exact messages here (one token per call)
+  and every served answer is classified as bench.fidelity does for bench and serve: identical, near-tie,
+  unexplained.
+
+Measured per request, as vLLM's `benchmark_serving.py` does: TTFT from sending the request to the first content
+piece (queueing and prefill included), inter-token latencies between consecutive content pieces (a speculative
+server may stream several tokens in one piece: its gaps are per piece, not per token), end to end, and the
+output tokens (the server's `usage`, else the pieces counted)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from specquant_cli.errors import InputError, SpecquantError
+
+SCENARIOS = ("single", "multi-turn", "shared-system")
+DEFAULT_SYSTEM_TOKENS = 800
+CHARS_PER_TOKEN = 4.0  # English prose in a BPE vocabulary: about four characters a token
+PERCENTILES = (50, 95, 99)
+DEFAULT_TTFT_TARGET_S = 10.0  # sensible on a CPU; a GPU server would be held to far less
+DEFAULT_ITL_TARGET_S = 1.0
+
+
+# -- the prompts ---------------------------------------------------------------------------------------------------
+
+_TOPICS = ("billing questions", "account security", "shipping and delivery", "product returns",
+           "technical troubleshooting", "privacy requests", "accessibility needs", "complaints",
+           "feature requests", "scheduling", "data exports", "partner integrations")
+_RULES = (
+    "When a customer asks about {topic}, first restate the question in one sentence so they know it was understood.",
+    "Never promise a refund, credit or deadline for {topic} that this policy does not name; say who can decide it.",
+    "For {topic}, ask at most one clarifying question at a time, and only when the answer changes what you do.",
+    "Keep answers about {topic} short: lead with the answer, then at most three supporting points.",
+    "If a message about {topic} contains personal data the task does not need, do not repeat it back.",
+    "Escalate {topic} to a human agent when the customer asks twice, or when safety or money is at stake.",
+    "Use plain words for {topic}; explain any term a customer may not know the first time you use it.",
+    "When you are unsure about {topic}, say so, and say what you would need to know to be sure.",
+)
+
+
+def system_prompt(tokens: int) -> str:
+    """A long assistant policy document of numbered rules, about `tokens` tokens (four characters a token), the
+    same text for the same `tokens` on every machine (no randomness: the rules are picked by their number)."""
+    if tokens < 1:
+        raise InputError(f"--system-tokens {tokens}: expected a positive number of tokens")
+    budget = int(tokens * CHARS_PER_TOKEN)
+    head = ("You are the support assistant of Example Corp. Follow this policy in every answer. The rules are "
+            "numbered; when two rules disagree, the lower number wins.\n\n")
+    parts, size, n = [head], len(head), 0
+    while size < budget:
+        n += 1
+        rule = _RULES[(n - 1) % len(_RULES)].format(topic=_TOPICS[((n - 1) // len(_RULES)) % len(_TOPICS)])
+        line = f"Rule {n}. {rule}\n"
+        parts.append(line)
+        size += len(line)
+    return "".join(parts).rstrip("\n")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One conversation: its user turns, sent one after another, each with the conversation so far."""
+
+    index: int
+    questions: tuple[str, ...]
+    system: Optional[str] = None
+
+
+def conversations(scenario: str, questions: Sequence[str], count: int, turns: int,
+                  system: Optional[str] = None) -> list[Conversation]:
+    """`count` conversations of `turns` user turns each (`single`: one turn), taking the questions in order and
+    starting over when they run out; `shared-system`: every conversation begins with `system`."""
+    if scenario not in SCENARIOS:
+        raise InputError(f"--scenario {scenario!r}: expected one of {', '.join(SCENARIOS)}")
+    if not questions:
+        raise InputError("no questions to send")
+    if scenario == "single" and turns != 1:
+        raise InputError(f"--turns {turns}: the single scenario sends one turn per conversation "
+                         "(use --scenario multi-turn or shared-system)")
+    if scenario == "shared-system" and not system:
+        raise InputError("the shared-system scenario needs a system prompt")
+    out = []
+    for c in range(count):
+        qs = tuple(questions[(c * turns + k) % len(questions)] for k in range(turns))
+        out.append(Conversation(c, qs, system if scenario == "shared-system" else None))
+    return out
+
+
+def arrival_times(n: int, rate: Optional[float], seed: int = 0) -> list[float]:
+    """Offsets (seconds from the start) at which `n` conversations start: a Poisson process of `rate` per second
+    (exponential gaps from a generator seeded with `seed`, the first at 0), or all at 0 when `rate` is None."""
+    if rate is None:
+        return [0.0] * n
+    if not rate > 0 or not math.isfinite(rate):
+        raise InputError(f"--rate {rate}: expected a positive number of requests per second")
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for i in range(n):
+        if i:
+            t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+# -- one request ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class RequestResult:
+    """One chat completion as the client saw it. Times are seconds; `start_s` from the run's start."""
+
+    conversation: int
+    turn: int
+    messages: list[dict]
+    ok: bool = False
+    error: Optional[str] = None
+    text: str = ""
+    start_s: float = 0.0
+    ttft_s: Optional[float] = None
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: Optional[float] = None
+    output_tokens: int = 0
+    tokens_from: str = "chunks"  # "usage": the server's completion_tokens; "chunks": content pieces counted
+    prompt_tokens: Optional[int] = None
+    finish_reason: Optional[str] = None
+    fidelity: Optional[dict] = None
+
+    @property
+    def mean_itl_s(self) -> Optional[float]:
+        return statistics.fmean(self.itl_s) if self.itl_s else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["itl_s"] = [round(x, 6) for x in self.itl_s]
+        for k in ("start_s", "ttft_s", "e2e_s"):
+            d[k] = None if d[k] is None else round(d[k], 6)
+        return d
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where requests go and how: the base URL (without /v1), the model id, the request body's fixed part."""
+
+    url: str
+    model: str
+    max_tokens: int
+    api_key: Optional[str] = None
+    extra_body: dict = field(default_factory=dict)
+    timeout_s: float = 600.0
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, messages: list[dict]) -> dict:
+        """A standard streamed greedy chat completion; non-standard fields only as --extra-body asks."""
+        return {"model": self.model, "messages": messages, "max_tokens": self.max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, **self.extra_body}
+
+
+def normal_url(url: str) -> str:
+    """The server's base URL, http(s)://host[:port][/prefix], without a trailing / or /v1."""
+    from urllib.parse import urlsplit
+
+    text = url.strip().rstrip("/")
+    if text.endswith("/v1"):
+        text = text[:-3]
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError as e:
+        raise InputError(f"--url {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise InputError(f"--url {url!r}: expected the server's base URL, e.g. http://127.0.0.1:8080")
+    return text
+
+
+def _error_text(status: int, body: bytes) -> str:
+    try:
+        err = json.loads(body)["error"]
+        message = err["message"] if isinstance(err, dict) else str(err)
+    except (ValueError, KeyError, TypeError):
+        message = body.decode("utf-8", "replace").strip()[:200] or "no body"
+    return f"HTTP {status}: {' '.join(str(message).split())}"
+
+
+async def stream_chat(client, target: Target, result: RequestResult, clock: Callable[[], float]) -> RequestResult:
+    """Send `result.messages` and read the server-sent events, timing each content piece; `result` is filled
+    in (ok, or the error that ended it) and returned."""
+    import httpx
+
+    parts: list[str] = []
+    t0 = clock()
+    last = None
+    usage_tokens = None
+    done = False
+    try:
+        async with client.stream("POST", target.url + "/v1/chat/completions", json=target.body(result.messages),
+                                 headers=target.headers()) as resp:
+            if resp.status_code != 200:
+                result.error = _error_text(resp.status_code, await resp.aread())
+                return result
+            kind = resp.headers.get("content-type", "")
+            if not kind.startswith("text/event-stream"):
+                result.error = f"the answer is no event stream (Content-Type: {kind or 'none'})"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    result.error = f"not JSON in the event stream: {data[:80]!r}"
+                    return result
+                if not isinstance(chunk, dict):
+                    continue
+                if chunk.get("error"):
+                    e = chunk["error"]
+                    result.error = "error event: " + str(e.get("message", e) if isinstance(e, dict) else e)
+                    return result
+                usage = chunk.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                    usage_tokens = usage["completion_tokens"]
+                    result.prompt_tokens = usage.get("prompt_tokens")
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") if isinstance(choice, dict) else None
+                    content = delta.get("content") if isinstance(delta, dict) else None
+                    if isinstance(content, str) and content:
+                        now = clock()
+                        if last is None:
+                            result.ttft_s = now - t0
+                        else:
+                            result.itl_s.append(now - last)
+                        last = now
+                        parts.append(content)
+                    if isinstance(choice, dict) and choice.get("finish_reason"):
+                        result.finish_reason = str(choice["finish_reason"])
+            if not done and result.finish_reason is None:
+                result.error = "the event stream ended before the answer did (no finish_reason, no [DONE])"
+                return result
+    except httpx.HTTPError as e:
+        result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return result
+    finally:
+        result.e2e_s = clock() - t0
+        result.text = "".join(parts)
+    result.ok = True
+    result.output_tokens = usage_tokens if usage_tokens is not None else len(parts)
+    result.tokens_from = "usage" if usage_tokens is not None else "chunks"
+    return result
+
+
+# -- the load ------------------------------------------------------------------------------------------------------
+
+def client_timeout(seconds: float):
+    import httpx
+
+    return httpx.Timeout(seconds, connect=min(seconds, 10.0))
+
+
+async def _probe(client, url: str, headers: dict, need_model: bool) -> Optional[str]:
+    """GET /v1/models: the first model's id. An unreachable server is an error; so is a refusal when the model
+    id is needed."""
+    import httpx
+
+    try:
+        resp = await client.get(url + "/v1/models", headers=headers)
+    except httpx.HTTPError as e:
+        raise SpecquantError(f"cannot reach the server at {url} ({type(e).__name__}: {e or 'no answer'})") from None
+    if resp.status_code != 200:
+        if need_model:
+            raise SpecquantError(f"GET {url}/v1/models: {_error_text(resp.status_code, resp.content)}"
+                                 + (" (give --api-key)" if resp.status_code == 401 else "")
+                                 + ("; name the model with --model" if resp.status_code != 401 else ""))
+        return None
+    try:
+        data = resp.json()["data"]
+        return str(data[0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        if need_model:
+            raise SpecquantError(f"GET {url}/v1/models listed no model; name it with --model") from None
+        return None
+
+
+def find_model(url: str, api_key: Optional[str], model: Optional[str], timeout_s: float = 30.0) -> str:
+    """The model to ask for: `model`, else the first id of GET /v1/models. Either way the server must answer."""
+    import httpx
+
+    async def go():
+        async with httpx.AsyncClient(timeout=client_timeout(timeout_s)) as client:
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            return await _probe(client, url, headers, model is None)
+
+    found = asyncio.run(go())
+    return model if model is not None else found
+
+
+async def _run(target: Target, convs: Sequence[Conversation], starts: Sequence[float], concurrency: Optional[int],
+               on_result: Optional[Callable[[RequestResult], None]]) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    clock = time.perf_counter
+    results: list[RequestResult] = []
+    limit = concurrency or len(convs)
+    gate = asyncio.Semaphore(limit)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    async with httpx.AsyncClient(timeout=client_timeout(target.timeout_s), limits=limits) as client:
+        t0 = clock()
+
+        async def converse(conv: Conversation, start: float) -> None:
+            await asyncio.sleep(max(0.0, t0 + start - clock()))
+            async with gate:
+                history: list[dict] = [{"role": "system", "content": conv.system}] if conv.system else []
+                for k, question in enumerate(conv.questions):
+                    messages = [*history, {"role": "user", "content": question}]
+                    r = RequestResult(conv.index, k, messages, start_s=clock() - t0)
+                    await stream_chat(client, target, r, clock)
+                    results.append(r)
+                    if on_result:
+                        on_result(r)
+                    if not r.ok:
+                        return  # the next turn needs this one's answer
+                    history = [*messages, {"role": "assistant", "content": r.text}]
+
+        await asyncio.gather(*(converse(c, s) for c, s in zip(convs, starts)))
+        wall = clock() - t0
+    results.sort(key=lambda r: (r.conversation, r.turn))
+    return results, wall
+
+
+def run(target: Target, convs: Sequence[Conversation], starts: Sequence[float], concurrency: Optional[int] = None,
+        on_result: Optional[Callable[[RequestResult], None]] = None) -> tuple[list[RequestResult], float]:
+    """Every conversation, each starting at its offset in `starts` with at most `concurrency` in flight (None: no
+    cap); its turns one after another. (results ordered by conversation and turn, wall seconds). A failed request
+    ends its conversation. Ctrl-C cancels every request in flight (their connections closed) and propagates."""
+    return asyncio.run(_run(target, convs, starts, concurrency, on_result))
+
+
+# -- the figures ---------------------------------------------------------------------------------------------------
+
+def percentile(values: Sequence[float], p: float) -> Optional[float]:
+    """The p-th percentile, linearly interpolated between the closest ranks (numpy's default); None when empty."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    rank = (len(xs) - 1) * p / 100.0
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+
+
+def percentiles(values: Sequence[float]) -> dict:
+    """{n, mean, p50, p95, p99, max} of `values` in seconds (None figures when there are none)."""
+    xs = list(values)
+    out = {"n": len(xs), "mean": _r(statistics.fmean(xs)) if xs else None}
+    for p in PERCENTILES:
+        out[f"p{p}"] = _r(percentile(xs, p))
+    out["max"] = _r(max(xs)) if xs else None
+    return out
+
+
+def _r(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(x, 6)
+
+
+def meets(r: RequestResult, ttft_target: float, itl_target: float) -> bool:
+    """A request counts toward goodput when it succeeded, its TTFT is within `ttft_target` and its mean
+    inter-token latency within `itl_target` (an answer of one piece has no gap, and meets the latter)."""
+    if not r.ok or r.ttft_s is None or r.ttft_s > ttft_target:
+        return False
+    m = r.mean_itl_s
+    return m is None or m <= itl_target
+
+
+def goodput(results: Sequence[RequestResult], wall_s: float, ttft_target: float, itl_target: float,
+            planned: Optional[int] = None) -> dict:
+    """Requests meeting both targets: how many, their share of the requests planned (default: those sent; a
+    turn never sent because an earlier one failed met no target), and per second of the run."""
+    good = sum(meets(r, ttft_target, itl_target) for r in results)
+    total = planned if planned is not None else len(results)
+    return {"ttft_target_s": ttft_target, "itl_target_s": itl_target, "requests": good,
+            "share": round(good / total, 4) if total else None,
+            "requests_per_s": round(good / wall_s, 4) if wall_s > 0 else None}
+
+
+def summarize(results: Sequence[RequestResult], wall_s: float, ttft_target: float = DEFAULT_TTFT_TARGET_S,
+              itl_target: float = DEFAULT_ITL_TARGET_S, planned: Optional[int] = None) -> dict:
+    """The run's figures: counts, throughput, goodput, and TTFT (all, first turns, later turns), inter-token
+    latency (every gap of every request, pooled), end to end and output tokens per request as percentiles."""
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    return {
+        "requests": {"planned": planned if planned is not None else len(results), "sent": len(results),
+                     "succeeded": len(ok), "failed": len(results) - len(ok),
+                     "no_content": sum(r.ttft_s is None for r in ok)},
+        "wall_s": round(wall_s, 3),
+        "request_throughput": round(len(ok) / wall_s, 4) if wall_s > 0 else None,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": round(out_tokens / wall_s, 3) if wall_s > 0 else None,
+        "tokens_from": sorted({r.tokens_from for r in ok}),
+        "goodput": goodput(results, wall_s, ttft_target, itl_target, planned),
+        "ttft_s": percentiles(ttft),
+        "ttft_first_turn_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None and r.turn == 0]),
+        "ttft_later_turns_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None and r.turn > 0]),
+        "itl_s": percentiles([x for r in ok for x in r.itl_s]),
+        "e2e_s": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "output_tokens_per_request": percentiles([float(r.output_tokens) for r in ok]),
+    }
+
+
+# -- fidelity ------------------------------------------------------------------------------------------------------
+
+def judge(results: Sequence[RequestResult], runtime, max_tokens: int,
+          progress: Optional[Callable[[int, int], None]] = None) -> dict:
+    """After the run: the parent alone answers each succeeded request's exact messages (one token per call, as
+    the `parent` policy decodes), and each served answer is classified against it (bench.fidelity.classify_text:
+    identical, near-tie within the measured batch-vs-single noise, or unexplained). Sets each result's
+    `fidelity`; returns the counts, the noise and the divergences."""
+    from specquant_cli.bench import fidelity
+    from specquant_cli.decoding.engine import Engine
+    from specquant_cli.decoding.gamma import GAMMA_MAX
+    from specquant_cli.decoding.stream import generate_text
+    from specquant_cli.family.roles import PARENT_ROLE
+
+    ctx = runtime.pool.context(PARENT_ROLE)
+    noise = fidelity.measure_noise(ctx, runtime.costs.gamma, GAMMA_MAX)
+    counts = {fidelity.IDENTICAL: 0, fidelity.NEAR_TIE: 0, fidelity.UNEXPLAINED: 0}
+    divergences = []
+    todo = [r for r in results if r.ok]
+    for i, r in enumerate(todo, 1):
+        prompt = ctx.model.chat_prompt(r.messages)
+        if len(prompt) + max_tokens > ctx.n_ctx:
+            raise InputError(f"conversation {r.conversation} turn {r.turn}: {len(prompt)} prompt tokens and "
+                             f"{max_tokens} new ones do not fit the parent's --ctx {ctx.n_ctx}; raise --ctx")
+        ctx.reset()
+        reference = generate_text(Engine(ctx), prompt, max_tokens)[1]
+        verdict = fidelity.classify_text(ctx, prompt, reference, r.text, noise.bound)
+        r.fidelity = verdict
+        counts[verdict["verdict"]] += 1
+        if verdict["verdict"] != fidelity.IDENTICAL:
+            divergences.append({"conversation": r.conversation, "turn": r.turn, **verdict})
+        if progress:
+            progress(i, len(todo))
+    ctx.reset()
+    return {"judged": len(todo), "identical": counts[fidelity.IDENTICAL], "near_tie": counts[fidelity.NEAR_TIE],
+            "unexplained": counts[fidelity.UNEXPLAINED], "noise": noise.to_dict(), "divergences": divergences}
+
+
+# -- the report ----------------------------------------------------------------------------------------------------
+
+def _ms(x: Optional[float]) -> str:
+    return "–" if x is None else f"{1000 * x:.0f}"
+
+
+def markdown(report: dict) -> str:
+    c, s = report["config"], report["summary"]
+    g, n = s["goodput"], s["requests"]
+    share = "–" if g["share"] is None else f"{g['share']:.0%}"
+    lines = [f"# specquant loadtest: {report['server']['model']} at {report['server']['url']}", "",
+             f"- command: `{report['command']}`",
+             f"- scenario {c['scenario']}: {c['conversations']} conversations × {c['turns']} turns, "
+             f"{c['max_tokens']} max tokens, " + (f"Poisson arrivals at {c['rate']}/s (seed {c['seed']})"
+                                                  if c["rate"] else f"{c['concurrency']} in flight")
+             + (f", a shared system prompt of ~{c['system_tokens']} tokens" if c["scenario"] == "shared-system"
+                else ""),
+             f"- requests: {n['succeeded']} succeeded, {n['failed']} failed of {n['planned']} planned; wall "
+             f"{s['wall_s']:.1f} s",
+             f"- throughput: {s['request_throughput']} requests/s, {s['output_tokens_per_s']} output tokens/s "
+             f"({s['output_tokens']} tokens)",
+             f"- goodput (TTFT ≤ {g['ttft_target_s']:g} s and mean ITL ≤ {g['itl_target_s']:g} s): "
+             f"{g['requests']} requests ({share}), {g['requests_per_s']} per second",
+             "", "| latency (ms) | n | mean | p50 | p95 | p99 | max |", "|---|---|---|---|---|---|---|"]
+    for key, name in (("ttft_s", "TTFT"), ("ttft_first_turn_s", "TTFT, first turns"),
+                      ("ttft_later_turns_s", "TTFT, later turns"), ("itl_s", "inter-token"),
+                      ("e2e_s", "end to end")):
+        p = s[key]
+        lines.append(f"| {name} | {p['n']} | {_ms(p['mean'])} | {_ms(p['p50'])} | {_ms(p['p95'])} | "
+                     f"{_ms(p['p99'])} | {_ms(p['max'])} |")
+    f = report.get("fidelity")
+    if f:
+        lines += ["", f"Fidelity against the parent alone ({report['fidelity_family']}): {f['identical']} identical, "
+                      f"{f['near_tie']} near-tie, {f['unexplained']} unexplained of {f['judged']}; near-tie bound "
+                      f"{f['noise']['bound']:.3g}."]
+    return "\n".join(lines) + "\n"
