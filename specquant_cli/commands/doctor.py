@@ -9,7 +9,7 @@ from rich.table import Table
 from specquant_cli.commands.options import JsonOpt, load_family, warn_above_trained_ctx, with_settings
 from specquant_cli.console import err, gib, out_json
 from specquant_cli.family.roles import PARENT_ROLE
-from specquant_cli.settings import Settings, resolve_all
+from specquant_cli.settings import Settings, decide_cache_ram, resolve_all
 
 
 def register(app: typer.Typer) -> None:
@@ -38,7 +38,7 @@ def doctor(
         st = selftest.cached()
     facts.build["selftest"] = st.to_dict() if st else None
     report = {"hardware": facts.to_dict(), "advice": hardware.advice(facts),
-              "settings": resolve_all(cfg).to_dict()}
+              "settings": decide_cache_ram(resolve_all(cfg), facts.ram_available).to_dict()}
     broken: dict[str, str] = {}
     n_ctx, rpc_endpoints = cfg.runtime.ctx, cfg.runtime.rpc or []
     if cfg.runtime.family is not None:

@@ -16,7 +16,6 @@ from specquant_cli.serving.security import OriginPolicy
 from specquant_cli.serving.slots import LockedRouter
 from specquant_cli.serving.worker import EngineWorker
 
-SLOT_SIMILARITY = 0.5  # share of a prompt a free slot must hold to be chosen over the least recently used one
 RECOVER_POLL_S = 2.0  # how often a server that lost its RPC parent asks whether the workers are back
 
 
@@ -89,10 +88,10 @@ class Service:
         return self.prefixes.status() if self.prefixes is not None else None
 
     def slot_for(self, params: GenerationParams, free: list[int]) -> int:
-        """Of the `free` slots (least recently used first), the one whose parent sequence shares the longest
-        prefix with this request's prompt, when that is at least SLOT_SIMILARITY of it (its conversation's last
-        turn); else the least recently used (a shorter shared prefix, a system prompt, is copied from wherever it
-        is: runtime.prefixes)."""
+        """Of the `free` slots (least recently used first), the one this request's prompt costs least: the fewest
+        held tokens given up (a conversation's last turn, held whole in its slot, gives up none; an empty slot
+        none), then the longest prefix shared with the prompt, then the least recently used. A prefix another slot
+        holds is copied from there (runtime.prefixes), so a shared system prompt need not pick the slot."""
         if self.prefixes is None or len(free) == 1:
             return free[0]
         try:
@@ -102,8 +101,13 @@ class Service:
         from specquant_cli.backend.llama import common_prefix
 
         views = self.prefixes.views
-        best = max(free, key=lambda i: (common_prefix(views[i].tokens, prompt), -free.index(i)))
-        return best if common_prefix(views[best].tokens, prompt) >= SLOT_SIMILARITY * len(prompt) else free[0]
+
+        def cost(i: int) -> tuple[int, int, int]:
+            held = views[i].tokens
+            shared = common_prefix(held, prompt)
+            return len(held) - shared, -shared, free.index(i)
+
+        return min(free, key=cost)
 
     def prompt_tokens(self, params: GenerationParams) -> list[int]:
         model = self.runtime.tokenizer()

@@ -1,0 +1,129 @@
+"""Prefill once, through a real `specquant serve` and the `openai` client: a conversation's next turn goes back to
+the slot that holds it; a system prompt another slot holds is copied, not prefilled; a reused slot's state is kept
+in the prompt cache and restored for a later prompt, also by the next server from --cache-dir, and refused by a
+server of another context size; --no-prompt-cache prefills every prompt whole. Every greedy answer is the parent's
+own (or differs at a proven near-tie); `usage.prompt_tokens_details.cached_tokens` says what was not prefilled."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_serve import KEY, ServerProc
+
+from specquant_cli.bench import fidelity
+from specquant_cli.runtime.prefixes import MIN_REUSE
+
+N = 8
+SYSTEM = "You are the archivist of a small coastal museum. Answer briefly and plainly. " * 10
+QUESTIONS = ("Which ship is the oldest?", "When does the museum open?", "Who founded the museum?",
+             "What is in the cellar?")
+
+
+def conversation(q: str, system: str = SYSTEM) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": q}]
+
+
+def ask(server: ServerProc, messages: list[dict]) -> tuple[str, int, int]:
+    """(answer, prompt tokens, cached tokens)."""
+    r = server.client().chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=N,
+                                                temperature=0)
+    u = r.usage.model_dump()
+    return r.choices[0].message.content, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.fixture(scope="module")
+def judge(models):
+    """verdict(messages, text): the served answer against the parent alone, cold (bench.fidelity's classes)."""
+    from specquant_cli.backend.llama import Context
+    from specquant_cli.decoding.engine import Engine
+    from specquant_cli.decoding.stream import generate_text
+
+    ctx = Context(models["f16"], 1024)
+    bound = fidelity.measure_noise(ctx, 4, 8).bound
+
+    def verdict(messages: list[dict], text: str) -> str:
+        p = ctx.model.chat_prompt(messages)
+        ctx.reset()
+        ref = generate_text(Engine(ctx), p, N)[1]
+        return fidelity.classify_text(ctx, p, ref, text, bound)["verdict"]
+
+    yield verdict
+    ctx.close()
+
+
+def cache_status(server: ServerProc) -> dict:
+    return server.health()["prompt_cache"]
+
+
+@pytest.mark.slow
+def test_turns_go_back_to_their_slot_and_a_system_prompt_is_copied_not_prefilled(family_dir, judge):
+    s = ServerProc(["--family", str(family_dir), "--parallel", "2", "--policy", "parent", "--policies", "parent",
+                    "--api-key", KEY, "--cache-ram", "64"])
+    try:
+        a, b = conversation(QUESTIONS[0]), conversation(QUESTIONS[1])
+        text_a, n_a, cached = ask(s, a)
+        assert cached == 0
+        text_b, n_b, cached_b = ask(s, b)  # the other slot: the system prompt is copied from slot 0's cells
+        copied = cache_status(s)["copied_tokens"]
+        assert cached_b == copied > 100
+        a2 = a + [{"role": "assistant", "content": text_a}, {"role": "user", "content": "And the youngest?"}]
+        text_a2, n_a2, cached_a2 = ask(s, a2)  # back in the slot that holds turn 1: only the new turn is prefilled
+        assert cached_a2 >= n_a and cache_status(s)["copied_tokens"] == copied
+        verdicts = [judge(m, t) for m, t in ((a, text_a), (b, text_b), (a2, text_a2))]
+        assert fidelity.UNEXPLAINED not in verdicts
+        families = {f.name: f for f in text_string_to_metric_families(
+            httpx.get(s.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text)}
+        samples = {x.name: x.value for x in families["specquant_prompt_cache_copied_tokens"].samples}
+        assert samples["specquant_prompt_cache_copied_tokens_total"] == copied
+    finally:
+        s.stop()
+
+
+@pytest.mark.slow
+def test_a_reused_slot_is_restored_from_ram_and_by_the_next_server_from_disk(family_dir, judge, tmp_path):
+    args = ["--family", str(family_dir), "--parallel", "1", "--policy", "parent", "--policies", "parent",
+            "--api-key", KEY, "--cache-ram", "64", "--cache-dir", str(tmp_path)]
+    other_system = "Reply in the voice of a ship's cook who has seen every storm of the century. " * 8
+    first, other = conversation(QUESTIONS[2]), conversation(QUESTIONS[3], other_system)
+    s = ServerProc(args)
+    try:
+        text, n, _ = ask(s, first)
+        ask(s, other)  # the one slot is reused: the first conversation's state goes to the cache
+        assert cache_status(s)["entries"] == 1
+        again, _, cached = ask(s, first)
+        assert again == text and cached == n - 1
+        st = cache_status(s)
+        assert st["hits"] == 1 and st["restored_tokens"] > n - 1 - MIN_REUSE and st["bytes"] <= st["budget_bytes"]
+    finally:
+        s.stop()
+    s = ServerProc(args)  # a new server reads the folder back
+    try:
+        assert cache_status(s)["entries"] >= 1
+        again, _, cached = ask(s, first)
+        assert cached == n - 1 and judge(first, again) != fidelity.UNEXPLAINED
+    finally:
+        s.stop()
+    s = ServerProc([*args, "--ctx", "2048"])  # another context size: its files are refused, with a warning
+    try:
+        assert cache_status(s)["entries"] == 0
+        assert "refused" in s.log()
+        _, _, cached = ask(s, first)
+        assert cached == 0
+    finally:
+        s.stop()
+
+
+@pytest.mark.slow
+def test_no_prompt_cache_prefills_every_prompt_whole(family_dir):
+    s = ServerProc(["--family", str(family_dir), "--parallel", "2", "--policy", "parent", "--policies", "parent",
+                    "--api-key", KEY, "--no-prompt-cache"])
+    try:
+        m = conversation(QUESTIONS[0])
+        first = ask(s, m)
+        second = ask(s, m)
+        assert first[2] == second[2] == 0 and first[0] == second[0]
+        st = cache_status(s)
+        assert st["enabled"] is False and st["copied_tokens"] == 0
+    finally:
+        s.stop()
