@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -221,5 +220,11 @@ def test_the_cache_tag_names_the_weights_build_and_context(family):
     assert cache_tag(family, 1024) == cache_tag(family, 1024) != cache_tag(family, 2048)
 
 
-def _unused(path: Path) -> None:  # keeps the import list honest for type checkers
-    del path
+def test_a_folder_entry_that_is_a_link_a_fifo_or_too_big_is_never_read(tmp_path):
+    import os
+
+    (tmp_path / f"zero{SUFFIX}").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / f"fifo{SUFFIX}")
+    (tmp_path / f"big{SUFFIX}").write_bytes(b"\0" * (3 << 20))
+    c = PromptCache(1 << 20, "t", tmp_path)  # returns: nothing blocks on the FIFO or reads /dev/zero forever
+    assert c.status()["entries"] == 0 and c.status()["refused_files"] == 3

@@ -127,3 +127,23 @@ def test_no_prompt_cache_prefills_every_prompt_whole(family_dir):
         assert st["enabled"] is False and st["copied_tokens"] == 0
     finally:
         s.stop()
+
+
+def test_the_memory_check_counts_the_prompt_cache_and_a_bad_cache_dir_is_one_line(family_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from test_serve import REPO
+
+    def serve(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "specquant_cli", "serve", "--port", "0", "--family",
+                               str(family_dir), "--parallel", "1", "--policies", "parent", "--policy", "parent",
+                               *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    r = serve("--cache-ram", str(1 << 22))  # 4 TiB
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--cache-ram" in r.stderr and "prompt cache" in r.stderr
+    (tmp_path / "file").write_text("x")
+    r = serve("--cache-dir", str(tmp_path / "file"))
+    assert r.returncode != 0 and "--cache-dir" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -172,7 +172,13 @@ class PromptCache:
                         "model, build or context size, or damaged)")
 
     def _read(self, path: Path) -> Optional[Entry]:
+        """The entry in `path`, None unless it is a regular file within the budget that checks out."""
+        import stat
+
         try:
+            st = path.lstat()
+            if not stat.S_ISREG(st.st_mode) or st.st_size > self.budget + (1 << 20):
+                return None  # a link, a device or a FIFO is never read; nor a file the budget cannot hold
             raw = path.read_bytes()
         except OSError:
             return None
