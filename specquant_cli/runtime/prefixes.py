@@ -76,16 +76,16 @@ class PromptCache:
             self._read_folder(report)
 
     # -- lookup and store ------------------------------------------------------------------------
-    def best(self, tokens: Sequence[int]) -> tuple[Optional[Entry], int]:
-        """The entry sharing the longest prefix with `tokens`, and that length; the entry becomes the most
-        recently used."""
+    def best(self, tokens: Sequence[int], touch: bool = True) -> tuple[Optional[Entry], int]:
+        """The entry sharing the longest prefix with `tokens`, and that length; with `touch` the entry becomes the
+        most recently used."""
         with self._lock:
             found, n = None, 0
             for key, e in self._entries.items():
                 k = common_prefix(e.tokens, tokens)
                 if k > n:
                     found, n, at = e, k, key
-            if found is not None:
+            if found is not None and touch:
                 self._entries.move_to_end(at)
             return found, n
 
@@ -258,9 +258,10 @@ class PrefixSharing:
     def _prefilling(self, view, tokens: tuple[int, ...]) -> Iterator[None]:
         """While `view` prefills `tokens`, others sharing a longer prefix wait for it; it first waits for any other
         prefill whose prompt shares more with `tokens` than what is computed anywhere."""
+        cached = self.cache.best(tokens, touch=False)[1] if self.cache is not None else 0
         with self._lock:
             deadline = time.monotonic() + WAIT_S
-            while self._ahead(view, tokens) is not None and time.monotonic() < deadline:
+            while self._ahead(view, tokens, cached) is not None and time.monotonic() < deadline:
                 self.counts["waits"] += 1
                 with self.away():
                     self._lock.wait(POLL_S)
@@ -272,10 +273,10 @@ class PrefixSharing:
                 self._targets.pop(view.seq, None)
                 self._lock.notify_all()
 
-    def _ahead(self, view, tokens: tuple[int, ...]) -> Optional[int]:
+    def _ahead(self, view, tokens: tuple[int, ...], cached: int) -> Optional[int]:
         """A sequence prefilling a prompt that shares with `tokens` a prefix it has not yet computed, longer than
-        what `view` could take now; None when none is."""
-        have = max(self._available(view, tokens), 0)
+        what `view` could take now (`cached`: the prompt cache's longest prefix of it); None when none is."""
+        have = max([cached] + [common_prefix(v.tokens, tokens) for v in self.views])
         for seq, target in self._targets.items():
             if seq == view.seq:
                 continue
@@ -287,18 +288,6 @@ class PrefixSharing:
 
     def _view(self, seq: int):
         return next((v for v in self.views if v.seq == seq), None)
-
-    def _available(self, view, tokens: Sequence[int]) -> int:
-        """The longest prefix of `tokens` computed now: in `view`, another sequence, or the cache."""
-        n = common_prefix(view.tokens, tokens)
-        for v in self.views:
-            if v is not view:
-                n = max(n, common_prefix(v.tokens, tokens))
-        if self.cache is not None:
-            with self.cache._lock:
-                for e in self.cache._entries.values():
-                    n = max(n, common_prefix(e.tokens, tokens))
-        return n
 
     def _take(self, view, tokens: tuple[int, ...]) -> None:
         """Give `view` the longest computed prefix of `tokens` held elsewhere (another sequence's cells, else a
