@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import socket
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_serve  # noqa: E402 - the same server start-up and readiness wait
+
 SCENARIOS = {"2x4": (2, 4), "4x3": (4, 3)}
 
 
@@ -39,24 +39,7 @@ def start_specquant(args, extra: list[str]) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "specquant_cli", "serve", "--port", "0", "--family", args.family, "--parallel",
            str(args.parallel), "--ctx", str(args.ctx), "--threads", str(args.threads), "--policy", args.policy,
            "--policies", args.policy, *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    ready, url = threading.Event(), []
-
-    def read():
-        for line in proc.stderr:
-            if "listening" in line or "error" in line or "warning" in line:
-                sys.stderr.write(line)
-            m = re.search(r"listening on (http://\S+)", line)
-            if m:
-                url.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(900) or not url:
-        proc.kill()
-        sys.exit("bench_prefill: specquant serve did not start")
-    return proc, url[0]
+    return bench_serve.launch(cmd)
 
 
 def start_llama(args) -> tuple[subprocess.Popen, str]:
@@ -66,19 +49,11 @@ def start_llama(args) -> tuple[subprocess.Popen, str]:
     cmd = [args.llama_server, "-m", str(Family.load(args.family).path("f16")), "--port", str(port), "-t",
            str(args.threads), "-tb", str(args.threads), "-np", str(args.parallel), "-c",
            str(args.ctx * args.parallel), "--jinja"]
-    with open("/tmp/bench_prefill_llama.log", "a") as log:
+    with open("/tmp/bench_serve_llama.log", "a") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            sys.exit("bench_prefill: llama-server exited (see /tmp/bench_prefill_llama.log)")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(1)
-    sys.exit("bench_prefill: llama-server did not become ready")
+    bench_serve._wait_ready(url, proc)
+    return proc, url
 
 
 def warm(url: str) -> None:

@@ -49,12 +49,17 @@ def start_server(args, parallel: int) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "specquant_cli", "serve", "--port", "0", "--family", args.family, "--queue", "64",
            "--parallel", str(parallel), "--policy", args.policies[0], "--policies", ",".join(args.policies),
            "--max-tokens", str(args.max_tokens)]
+    return launch(cmd, args.verbose)
+
+
+def launch(cmd: list[str], verbose: bool = False) -> tuple[subprocess.Popen, str]:
+    """Start `specquant serve` (`cmd`), echo its notable stderr lines, return it and its URL once it listens."""
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ready, url = threading.Event(), []
 
     def read():
         for line in proc.stderr:
-            if args.verbose or "listening" in line or "error" in line:
+            if verbose or "listening" in line or "error" in line or "warning" in line:
                 sys.stderr.write(line)
             m = re.search(r"listening on (http://\S+)", line)
             if m:
