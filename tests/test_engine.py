@@ -122,3 +122,29 @@ def test_drafter_hears_each_cycle_outcome():
     assert (first.proposed, first.accepted, first.next_token, first.scored) == (3, 2, 3, 4)
     assert (second.proposed, second.accepted, second.next_token) == (1, 1, 5)
     assert first.verify_s > 0 and first.draft_s >= 0
+
+
+def test_first_alone_gives_the_first_token_before_the_drafter_prepares_or_drafts():
+    class Watching(ScriptedDrafter):
+        def __init__(self, proposals, events):
+            super().__init__(proposals)
+            self.events = events
+
+        def prepare(self, seq):
+            self.events.append(("prepare", len(seq)))
+
+        def propose(self, seq, n, sp=None, uniforms=None):
+            self.events.append(("propose", len(seq)))
+            return super().propose(seq, n, sp, uniforms)
+
+    events: list = []
+    ctx = FakeContext(FakeModel(V, EOG), counting, 512)
+    eng = Engine(ctx, Watching([[2, 3, 4, 5]], events), FixedGamma(4), first_alone=True)
+    out = []
+    for ev in eng.generate([0], 6):
+        out.append(ev)
+        events.append(("token", ev.token))
+    assert [e.token for e in out] == [1, 2, 3, 4, 5, 6]  # the same tokens as without it
+    assert events[:3] == [("token", 1), ("prepare", 2), ("propose", 2)]  # out before any drafter work
+    assert eng.stats.parent_calls == 2 and eng.stats.drafted == 4
+    assert len(eng.drafter.outcomes) == 1  # the first token's step is no drafting cycle

@@ -55,8 +55,13 @@ class EngineStats:
 class Engine:
     def __init__(self, parent: TokenContext, drafter: Optional[Drafter] = None,
                  gamma: Optional[GammaPolicy] = None, sampling: SamplingParams = GREEDY,
-                 verifier: Optional[Verifier] = None):
+                 verifier: Optional[Verifier] = None, first_alone: bool = False):
+        """`first_alone`: the first token comes from the parent's own step, right after its prefill; the drafter
+        prepares (its prefill or KV import) and drafts from the second token on. The time to the first token is
+        then the parent's prefill and one step, not also the drafter's preparation and a draft; it costs one
+        cycle's accepted drafts once per answer."""
         self.parent = parent
+        self.first_alone = first_alone
         self.drafter = drafter
         self.gamma_policy = gamma if gamma is not None else FixedGamma(DEFAULT_GAMMA if drafter else 0)
         self.sp = sampling
@@ -89,15 +94,20 @@ class Engine:
         self.check_fits(len(prompt), max_tokens)
         st = self.stats = EngineStats(prompt_tokens=len(prompt))
         seq = list(prompt)
-        self._prefill(seq)
+        alone = self.first_alone and self.drafter is not None  # the next cycle is the parent's own step
+        self._prefill(seq, prepare=not alone)
         base = dict(self.drafter.counters) if self.drafter is not None else {}
         while st.new_tokens < max_tokens:
+            if alone and st.new_tokens:  # the first token is out: the drafter catches up now
+                self._prepare(seq)
+                alone = False
             room = max_tokens - st.new_tokens - 1  # the cycle's own token always fits
-            g = min(self.gamma_policy.draft_length(), room) if self.drafter else 0
+            g = min(self.gamma_policy.draft_length(), room) if self.drafter and not alone else 0
             draft, draft_s, source = self._draft(seq, g)
             outcome = self._verify(seq, draft, draft_s)
-            self.gamma_policy.update(outcome)
-            if self.drafter is not None:
+            if not alone:  # the first token's step is no drafting cycle: neither γ nor the drafter learn from it
+                self.gamma_policy.update(outcome)
+            if self.drafter is not None and not alone:
                 self.drafter.feedback(seq, outcome)
                 st.levels = {k: v - base.get(k, 0) for k, v in self.drafter.counters.items()}
                 st.guard_stop = getattr(self.gamma_policy, "tripped_at", None)
@@ -109,16 +119,24 @@ class Engine:
                 if eog:
                     return
 
-    def _prefill(self, seq: list[int]) -> None:
+    def _prefill(self, seq: list[int], prepare: bool = True) -> None:
         st = self.stats
         t0 = time.perf_counter()
         st.prefill_tokens = self.parent.prefill(seq[:-1])
-        st.parent_prefill_s = time.perf_counter() - t0
-        if self.drafter is not None:
-            rep = self.drafter.prepare(seq)
-            if rep is not None:
-                st.draft_prefill_s, st.kv_import_s, st.kv_import = rep.prefill_s, rep.import_s, rep.imported
-        st.prefill_s = time.perf_counter() - t0
+        st.parent_prefill_s = st.prefill_s = time.perf_counter() - t0
+        if prepare:
+            self._prepare(seq)
+
+    def _prepare(self, seq: list[int]) -> None:
+        """The drafter catches up on `seq` (the parent holds seq[:-1]); its time counts in prefill_s."""
+        if self.drafter is None:
+            return
+        st = self.stats
+        t0 = time.perf_counter()
+        rep = self.drafter.prepare(seq)
+        if rep is not None:
+            st.draft_prefill_s, st.kv_import_s, st.kv_import = rep.prefill_s, rep.import_s, rep.imported
+        st.prefill_s += time.perf_counter() - t0
 
     def _draft(self, seq: list[int], g: int) -> tuple[Draft, float, Source]:
         """(draft, seconds, source): the source is asked right away, as a mixed drafter's changes per draft."""

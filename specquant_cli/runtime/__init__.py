@@ -111,7 +111,7 @@ class Runtime:
         step = self.costs.parent_step_s() if drafter and policy_spec(plan.policy).planner is not None else None
         if step is not None:
             gamma = RateGuard(gamma, step, position)
-        return Engine(self.pool.context(plan.target), drafter, gamma, sp)
+        return Engine(self.pool.context(plan.target), drafter, gamma, sp, first_alone=True)
 
     def reset_caches(self) -> None:
         """Empty every KV cache (the bench's fresh-request state). Persistent drafters keep their memory."""
