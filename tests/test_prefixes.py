@@ -228,3 +228,23 @@ def test_a_folder_entry_that_is_a_link_a_fifo_or_too_big_is_never_read(tmp_path)
     (tmp_path / f"big{SUFFIX}").write_bytes(b"\0" * (3 << 20))
     c = PromptCache(1 << 20, "t", tmp_path)  # returns: nothing blocks on the FIFO or reads /dev/zero forever
     assert c.status()["entries"] == 0 and c.status()["refused_files"] == 3
+
+
+def test_a_longer_cached_state_wins_over_another_sequences_shorter_prefix(shared, prompts, cold):
+    _, batcher, views = shared
+    for v in views:
+        v.reset()
+    cache = PromptCache(256 << 20, "real")
+    sharing = PrefixSharing(views, cache, batcher.ops, batcher.away)
+    a, b = prompts[0], prompts[1]
+    greedy(batcher, views[0], a)
+    held = list(views[0].tokens)  # a conversation's first turn: its prompt and answer
+    with batcher.member():
+        views[0].prefill(b)  # another conversation takes the slot: the first goes to the cache
+    copied = sharing.status()["copied_tokens"]
+    follow = held + list(b[-4:])  # its next turn: everything it held, and more
+    with batcher.member():
+        decoded = views[1].prefill(follow)
+    assert decoded == len(follow) - len(held)  # restored whole from the cache, not the system prompt from seq 0
+    assert sharing.status()["copied_tokens"] == copied and cache.status()["hits"] == 1
+    assert views[1].tokens == follow

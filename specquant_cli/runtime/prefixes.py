@@ -290,13 +290,14 @@ class PrefixSharing:
         return next((v for v in self.views if v.seq == seq), None)
 
     def _take(self, view, tokens: tuple[int, ...]) -> None:
-        """Give `view` the longest computed prefix of `tokens` held elsewhere (another sequence's cells, else a
-        cached state), when it beats its own by MIN_REUSE tokens."""
+        """Give `view` the longest computed prefix of `tokens` held elsewhere (another sequence's cells, or a cached
+        state when that is longer), when it beats its own by MIN_REUSE tokens."""
         own = common_prefix(view.tokens, tokens)
+        _, cached = self.cache.best(tokens, touch=False) if self.cache is not None else (None, 0)
         with self.ops:
             donors = [(common_prefix(v.tokens, tokens), v) for v in self.views if v is not view]
             n, donor = max(donors, key=lambda d: d[0], default=(0, None))
-            if donor is not None and n >= own + MIN_REUSE:
+            if donor is not None and n >= own + MIN_REUSE and n >= cached:
                 view.rewind(own)
                 view.ctx.copy_seq(donor.seq, view.seq, own, n)
                 view.tokens[:] = tokens[:n]
