@@ -16,6 +16,7 @@ from specquant_cli.decoding.engine import Engine
 from specquant_cli.runtime.prefixes import ENTRY_OVERHEAD, MIN_REUSE, SUFFIX, PrefixSharing, PromptCache
 
 N = 12  # greedy tokens compared
+KEY = b"k" * 32  # the MAC key of the folder tests (a server uses runtime.prefixes.user_key)
 
 
 def state(n: int, fill: int = 7) -> tuple[ctypes.Array, int]:
@@ -61,30 +62,30 @@ def test_a_longer_state_replaces_the_entries_it_extends():
 
 
 def test_a_folder_entry_is_read_back_and_a_foreign_or_damaged_one_refused(tmp_path):
-    a = PromptCache(1 << 20, "tag-a", tmp_path)
+    a = PromptCache(1 << 20, "tag-a", tmp_path, key=KEY)
     a.put(list(range(30)), state(64, fill=3))
     files = sorted(tmp_path.glob(f"*{SUFFIX}"))
     assert len(files) == 1
-    back = PromptCache(1 << 20, "tag-a", tmp_path)
+    back = PromptCache(1 << 20, "tag-a", tmp_path, key=KEY)
     entry, n = back.best(list(range(30)))
     assert n == 30 and bytes(entry.state) == bytes([3] * 64)
-    assert PromptCache(1 << 20, "tag-b", tmp_path).status()["entries"] == 0  # another model, build or context
+    assert PromptCache(1 << 20, "tag-b", tmp_path, key=KEY).status()["entries"] == 0  # another model, build or context
     raw = bytearray(files[0].read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     files[0].write_bytes(bytes(raw))
-    damaged = PromptCache(1 << 20, "tag-a", tmp_path)
+    damaged = PromptCache(1 << 20, "tag-a", tmp_path, key=KEY)
     assert damaged.status()["entries"] == 0 and damaged.status()["refused_files"] == 1
     (tmp_path / f"short{SUFFIX}").write_bytes(b"SQ")
-    assert PromptCache(1 << 20, "tag-a", tmp_path).status()["refused_files"] == 2
+    assert PromptCache(1 << 20, "tag-a", tmp_path, key=KEY).status()["refused_files"] == 2
     assert files[0].exists()  # refused, not deleted: it may be another server's
 
 
 def test_an_evicted_entry_leaves_the_folder_too(tmp_path):
-    c = PromptCache(size_of(20, 100) + 10, "t", tmp_path)
+    c = PromptCache(size_of(20, 100) + 10, "t", tmp_path, key=KEY)
     c.put([1] * 20, state(100))
     c.put([2] * 20, state(100))
     assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 1
-    assert PromptCache(1 << 20, "t", tmp_path).best([2] * 20)[1] == 20
+    assert PromptCache(1 << 20, "t", tmp_path, key=KEY).best([2] * 20)[1] == 20
 
 
 # -- real contexts -----------------------------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def test_a_state_restored_from_ram_or_disk_gives_the_cold_prefills_tokens(shared
         v.reset()
     from specquant_cli.runtime.prefixes import cache_tag
 
-    cache = PromptCache(256 << 20, "real", tmp_path)
+    cache = PromptCache(256 << 20, "real", tmp_path, key=KEY)
     sharing = PrefixSharing(views, cache, batcher.ops, batcher.away)
     a, c = prompts[0], prompts[2]
     greedy(batcher, views[0], a)
@@ -156,7 +157,7 @@ def test_a_state_restored_from_ram_or_disk_gives_the_cold_prefills_tokens(shared
     assert cache.status()["hits"] == 1 and cache.status()["restored_tokens"] > 100
     assert views[1].tokens[:len(c) - 1] == list(c[:-1])
     # a later server: the folder only
-    disk = PromptCache(256 << 20, "real", tmp_path)
+    disk = PromptCache(256 << 20, "real", tmp_path, key=KEY)
     for v in views:
         v.reset()
     PrefixSharing(views, disk, batcher.ops, batcher.away)
@@ -226,7 +227,7 @@ def test_a_folder_entry_that_is_a_link_a_fifo_or_too_big_is_never_read(tmp_path)
     (tmp_path / f"zero{SUFFIX}").symlink_to("/dev/zero")
     os.mkfifo(tmp_path / f"fifo{SUFFIX}")
     (tmp_path / f"big{SUFFIX}").write_bytes(b"\0" * (3 << 20))
-    c = PromptCache(1 << 20, "t", tmp_path)  # returns: nothing blocks on the FIFO or reads /dev/zero forever
+    c = PromptCache(1 << 20, "t", tmp_path, key=KEY)  # returns: nothing blocks on the FIFO or reads /dev/zero forever
     assert c.status()["entries"] == 0 and c.status()["refused_files"] == 3
 
 
@@ -248,3 +249,45 @@ def test_a_longer_cached_state_wins_over_another_sequences_shorter_prefix(shared
     assert decoded == len(follow) - len(held)  # restored whole from the cache, not the system prompt from seq 0
     assert sharing.status()["copied_tokens"] == copied and cache.status()["hits"] == 1
     assert views[1].tokens == follow
+
+
+def test_a_file_made_with_another_key_or_a_hostile_header_is_refused(tmp_path):
+    import hashlib
+    import hmac
+
+    from specquant_cli.runtime.prefixes import MAGIC
+
+    PromptCache(1 << 20, "t", tmp_path, key=b"x" * 32).put([1] * 20, state(64))  # another user's key
+    for i, head in enumerate([b'{"tag": "t", "tokens": 1e999, "state": 64}', b"[" * 100000, b'"t"',
+                              b'{"tag": "t", "tokens": 20.0, "state": 64}']):
+        body = MAGIC + head + b"\n" + bytes(4 * 20 + 64)
+        (tmp_path / f"h{i}{SUFFIX}").write_bytes(body + hmac.new(KEY, body, hashlib.sha256).digest())
+    c = PromptCache(1 << 20, "t", tmp_path, key=KEY)  # no exception: every one is refused
+    assert c.status()["entries"] == 0 and c.status()["refused_files"] == 5
+
+
+def test_the_folder_keeps_files_this_server_did_not_write(tmp_path):
+    one = size_of(20, 100)
+    writer = PromptCache(10 * one, "t", tmp_path, key=KEY)
+    for k in range(3):
+        writer.put([k] * 20, state(100))
+    assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 3
+    small = PromptCache(one, "t", tmp_path, key=KEY)  # holds one of them; the others' files stay
+    assert small.status()["entries"] == 1 and small.bytes <= small.budget
+    small.put([9] * 20, state(100))  # evicts the one it read: that file stays too
+    assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 4
+
+
+def test_an_entry_whose_state_is_not_what_its_tokens_say_is_dropped_and_the_prompt_prefilled(shared, prompts, cold):
+    _, batcher, views = shared
+    for v in views:
+        v.reset()
+    cache = PromptCache(256 << 20, "real")
+    sharing = PrefixSharing(views, cache, batcher.ops, batcher.away)
+    with batcher.member():
+        views[0].prefill(prompts[0][:40])
+    cache.put(list(prompts[2][:-1]), views[0].ctx.export_state(0))  # 40 positions under a longer prompt's tokens
+    views[0].reset()
+    assert greedy(batcher, views[1], prompts[2]) == cold(prompts[2])
+    assert cache.status()["entries"] == 0 and cache.status()["hits"] == 0
+    assert sharing.status()["restored_tokens"] == 0

@@ -147,3 +147,26 @@ def test_the_memory_check_counts_the_prompt_cache_and_a_bad_cache_dir_is_one_lin
     r = serve("--cache-dir", str(tmp_path / "file"))
     assert r.returncode != 0 and "--cache-dir" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    r = serve("--cache-dir", str(family_dir))  # never into a family folder
+    assert r.returncode != 0 and "family folder" in r.stderr and "Traceback" not in r.stderr
+    assert not list(family_dir.glob("*.sqpc"))
+
+
+@pytest.mark.slow
+def test_a_request_cancelled_during_its_prefill_stops_between_chunks(family_dir):
+    s = ServerProc(["--family", str(family_dir), "--parallel", "2", "--policy", "parent", "--policies", "parent",
+                    "--api-key", KEY, "--ctx", "8192", "--prefill-chunk", "16"])
+    try:
+        long = conversation("Summarize the rules.", SYSTEM * 9)
+        body = {"model": "smollm2-135m", "messages": long, "max_tokens": 4, "temperature": 0}
+        with pytest.raises(httpx.TimeoutException):  # the client leaves while the prompt is being prefilled
+            httpx.post(s.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=0.5)
+        from test_serve import wait_for
+
+        assert wait_for(lambda: s.health()["running"] == 0, timeout=20)
+        _, n, cached = ask(s, long)  # the same prompt again: only what the cancelled prefill got to is there
+        assert 0 < cached < n - 1 - 16
+        assert s.health()["cancelled"] == 1
+    finally:
+        s.stop()

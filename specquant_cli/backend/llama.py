@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from specquant_cli.errors import InputError, LlamaError, VocabMismatchError
+from specquant_cli.errors import InputError, LlamaError, VocabMismatchError, check_cancelled
 from specquant_cli.names import LogitsMode
 
 PIECE_BUF_BYTES = 256  # one token's text; longer pieces get a buffer of their own
@@ -416,6 +416,8 @@ class PrefixCache:
             raise LlamaError(f"cannot score {n} tokens in one batch of {self.n_batch}")
         start = 0
         while start < n:
+            if start:
+                check_cancelled()  # a request cancelled during a long prompt stops between its chunks
             size = self.n_batch if logits == "all" else self.chunk_size()
             chunk = list(tokens[start:start + size])
             start += len(chunk)
@@ -540,6 +542,12 @@ class Context(PrefixCache):
         import llama_cpp
 
         llama_cpp.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def positions(self, seq: int) -> tuple[int, int]:
+        """(first, last) position sequence `seq` holds; (-1, -1) when it holds none."""
+        import llama_cpp
+
+        return llama_cpp.llama_memory_seq_pos_min(self._mem, seq), llama_cpp.llama_memory_seq_pos_max(self._mem, seq)
 
     def logits(self, i: int = -1) -> np.ndarray:
         """Logits row for token i of the last decoded batch (a view: valid until the next decode)."""

@@ -195,7 +195,7 @@ def _error_text(status: int, body: bytes) -> str:
     try:
         err = json.loads(body)["error"]
         message = err["message"] if isinstance(err, dict) else str(err)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         message = body.decode("utf-8", "replace").strip()[:200] or "no body"
     return f"HTTP {status}: {' '.join(str(message).split())}"
 
@@ -229,7 +229,7 @@ async def stream_chat(client, target: Target, result: RequestResult, clock: Call
                     break
                 try:
                     chunk = json.loads(data)
-                except ValueError:
+                except (ValueError, RecursionError):
                     result.error = f"not JSON in the event stream: {data[:80]!r}"
                     return result
                 if not isinstance(chunk, dict):
@@ -242,7 +242,8 @@ async def stream_chat(client, target: Target, result: RequestResult, clock: Call
                 if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                     usage_tokens = usage["completion_tokens"]
                     result.prompt_tokens = usage.get("prompt_tokens")
-                for choice in chunk.get("choices") or []:
+                choices = chunk.get("choices")
+                for choice in choices if isinstance(choices, list) else []:
                     delta = choice.get("delta") if isinstance(choice, dict) else None
                     content = delta.get("content") if isinstance(delta, dict) else None
                     if isinstance(content, str) and content:
@@ -296,7 +297,7 @@ async def _probe(client, url: str, headers: dict, need_model: bool) -> Optional[
     try:
         data = resp.json()["data"]
         return str(data[0]["id"])
-    except (ValueError, KeyError, IndexError, TypeError):
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError):
         if need_model:
             raise SpecquantError(f"GET {url}/v1/models listed no model; name it with --model") from None
         return None

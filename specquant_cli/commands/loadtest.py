@@ -139,7 +139,9 @@ def _extra_body(text: Optional[str]) -> dict:
     try:
         value = json.loads(text)
     except ValueError as e:
-        raise InputError(f"--extra-body {text!r}: not JSON ({e.args[0].split(':')[0]})") from None
+        raise InputError(f"--extra-body {text[:40]!r}: not JSON ({e.args[0].split(':')[0]})") from None
+    except RecursionError:
+        raise InputError(f"--extra-body {text[:40]!r}: nested too deeply") from None
     if not isinstance(value, dict):
         raise InputError(f"--extra-body {text!r}: expected a JSON object")
     fixed = sorted({"model", "messages", "stream"} & set(value))

@@ -24,7 +24,9 @@ import array
 import contextlib
 import ctypes
 import hashlib
+import hmac
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -34,13 +36,16 @@ from pathlib import Path
 from typing import Optional
 
 from specquant_cli.backend.llama import common_prefix
+from specquant_cli.errors import check_cancelled
 
 MIN_REUSE = 16  # tokens: a shorter prefix is prefilled, not copied, restored or cached
 WAIT_S = 600.0  # the longest a sequence waits for another's prefill of their shared prefix
 POLL_S = 0.02
 ENTRY_OVERHEAD = 256  # bytes of bookkeeping per cached state
-MAGIC = b"SQPC1\n"  # a cache file's first bytes
+MAGIC = b"SQPC2\n"  # a cache file's first bytes
 SUFFIX = ".sqpc"
+MAX_HEAD = 4096  # bytes of a cache file's header line
+KEY_FILE = "prompt-cache.key"  # in the user's cache folder: the key a cache file's MAC is made with
 
 
 @dataclass
@@ -50,7 +55,7 @@ class Entry:
     tokens: array.array  # 'i': 4 bytes a token
     state: ctypes.Array
     size: int  # bytes of `state`
-    file: Optional[Path] = None
+    file: Optional[Path] = None  # the file this process wrote it to (only such a file is ever deleted)
 
     @property
     def nbytes(self) -> int:
@@ -60,12 +65,16 @@ class Entry:
 class PromptCache:
     """Parent sequence states in host RAM, keyed by their tokens, least recently used out, never above `budget`
     bytes. `tag` names what a state is valid for (parent weights, llama.cpp build, context size): entries read from
-    `directory` carry it, and one with another tag, or a file that does not check out, is refused (and left alone)."""
+    `directory` carry it, and one with another tag, or a file that does not check out (its MAC is made with `key`,
+    private to the user: user_key), is refused and left alone. Files this process did not write are never
+    deleted."""
 
-    def __init__(self, budget: int, tag: str, directory: Optional[Path] = None, report=None):
+    def __init__(self, budget: int, tag: str, directory: Optional[Path] = None, report=None,
+                 key: Optional[bytes] = None):
         self.budget = max(0, int(budget))
         self.tag = tag
         self.directory = directory
+        self.key = key if key is not None else os.urandom(32)
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # oldest first
         self._next = 0
         self._lock = threading.Lock()
@@ -117,6 +126,12 @@ class PromptCache:
             self._write(entry)
         return True
 
+    def discard(self, entry: Entry) -> None:
+        """Drop `entry` (llama.cpp refused its state, or it did not hold what it said)."""
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if e is entry]:
+                self._drop(key)
+
     def _drop(self, key: int) -> None:
         e = self._entries.pop(key)
         self.bytes -= e.nbytes
@@ -136,18 +151,24 @@ class PromptCache:
 
     # -- the folder ------------------------------------------------------------------------------
     def _write(self, e: Entry) -> None:
-        """The entry as one file (header line, tokens, state, then its sha256), written whole or not at all."""
+        """The entry as one file (header line, tokens, state, then their MAC), written whole or not at all; deleted
+        again when the entry was evicted meanwhile."""
         from specquant_cli.fsutil import write_bytes_atomic
 
         head = json.dumps({"tag": self.tag, "tokens": len(e.tokens), "state": e.size}).encode() + b"\n"
         body = MAGIC + head + e.tokens.tobytes() + bytes(memoryview(e.state)[:e.size])
-        digest = hashlib.sha256(body).hexdigest()[:32]
-        path = self.directory / f"{digest}{SUFFIX}"
+        mac = hmac.new(self.key, body, hashlib.sha256).digest()
+        path = self.directory / f"{mac.hex()[:32]}{SUFFIX}"
         try:
-            write_bytes_atomic(path, body + hashlib.sha256(body).digest())
-            e.file = path
+            write_bytes_atomic(path, body + mac)
         except OSError:
-            pass  # the RAM entry stands; the folder only loses it
+            return  # the RAM entry stands; the folder only loses it
+        with self._lock:
+            if any(x is e for x in self._entries.values()):
+                e.file = path
+                return
+        with contextlib.suppress(OSError):
+            path.unlink()
 
     def _read_folder(self, report) -> None:
         """Entries of the folder, newest last, within the budget; files another server wrote for other weights, a
@@ -162,11 +183,11 @@ class PromptCache:
                 self.counts["refused_files"] += 1
                 continue
             while self.bytes + entry.nbytes > self.budget and self._entries:
-                self._drop(next(iter(self._entries)))
-            if entry.nbytes <= self.budget:
-                self._entries[self._next] = entry
-                self._next += 1
-                self.bytes += entry.nbytes
+                self._drop(next(iter(self._entries)))  # read, not written here: its file stays
+                self.counts["evictions"] += 1
+            self._entries[self._next] = entry
+            self._next += 1
+            self.bytes += entry.nbytes
         if report is not None and self.counts["refused_files"]:
             report.warn(f"prompt cache: {self.counts['refused_files']} file(s) in {self.directory} refused (another "
                         "model, build or context size, or damaged)")
@@ -182,21 +203,54 @@ class PromptCache:
             raw = path.read_bytes()
         except OSError:
             return None
-        body, digest = raw[:-32], raw[-32:]
-        if len(raw) < len(MAGIC) + 32 or not body.startswith(MAGIC) or hashlib.sha256(body).digest() != digest:
-            return None
-        end = body.find(b"\n", len(MAGIC))
+        body, mac = raw[:-32], raw[-32:]
+        if len(raw) < len(MAGIC) + 32 or not body.startswith(MAGIC) or \
+                not hmac.compare_digest(hmac.new(self.key, body, hashlib.sha256).digest(), mac):
+            return None  # damaged, or not written with this user's key
+        end = body.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEAD)
         try:
-            head = json.loads(body[len(MAGIC):end])
-            n, size = int(head["tokens"]), int(head["state"])
-        except (ValueError, TypeError, KeyError):
+            head = json.loads(body[len(MAGIC):end]) if end > 0 else None
+        except (ValueError, RecursionError):
             return None
-        if head.get("tag") != self.tag or n < 1 or size < 1 or end + 1 + 4 * n + size != len(body):
+        if not isinstance(head, dict) or head.get("tag") != self.tag:
+            return None
+        n, size = head.get("tokens"), head.get("state")
+        if type(n) is not int or type(size) is not int or n < 1 or size < 1 or end + 1 + 4 * n + size != len(body):
             return None
         tokens = array.array("i")
         tokens.frombytes(body[end + 1:end + 1 + 4 * n])
         state = (ctypes.c_uint8 * size).from_buffer_copy(body, end + 1 + 4 * n)
-        return Entry(tokens, state, size, path)
+        return Entry(tokens, state, size)  # read, not written here: its file is never deleted by this process
+
+
+def user_key() -> bytes:
+    """The key cache files' MACs are made with: 32 random bytes in the user's cache folder (KEY_FILE, mode 0600),
+    made on first use; a folder another user can write to cannot feed this server states. A fresh key for this
+    process alone when there is no such folder or it cannot be written."""
+    from specquant_cli.settings import cache_home
+
+    home = cache_home()
+    if home is None:
+        return os.urandom(32)
+    path = home / KEY_FILE
+    try:
+        data = path.read_bytes()
+        if len(data) == 32:
+            return data
+        home.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    except FileNotFoundError:
+        try:
+            home.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return os.urandom(32)
+    except OSError:
+        return os.urandom(32)
+    key = os.urandom(32)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+    return key
 
 
 def cache_tag(family, n_ctx: int) -> str:
@@ -263,6 +317,7 @@ class PrefixSharing:
             deadline = time.monotonic() + WAIT_S
             while self._ahead(view, tokens, cached) is not None and time.monotonic() < deadline:
                 self.counts["waits"] += 1
+                check_cancelled()
                 with self.away():
                     self._lock.wait(POLL_S)
             self._targets[view.seq] = tokens
@@ -311,8 +366,12 @@ class PrefixSharing:
             return
         with self.ops:
             view.rewind(0)
-            if not view.ctx.load_state((entry.state, entry.size), view.seq):
-                return  # llama.cpp refused it (no room): the prompt is prefilled
+            loaded = view.ctx.load_state((entry.state, entry.size), view.seq)
+            if not loaded or view.ctx.positions(view.seq) != (0, len(entry.tokens) - 1):
+                view.ctx.remove(view.seq, 0, -1)  # refused, or not the positions its tokens say: never used again
+                self.cache.discard(entry)
+                self.cache.count("misses")
+                return
             view.tokens[:] = list(entry.tokens)
             view.rewind(n)
         self.cache.count("hits")

@@ -79,6 +79,9 @@ def serve_settings(cfg: Settings, family, facts=None, report=None) -> tuple[Sett
         cfg = decide_cache_ram(cfg, (facts if facts is not None else detect()).ram_available)
     s, v = cfg.serving, cfg.values["runtime.parallel"]
     cache_ram = s.cache_ram if s.prompt_cache else 0.0
+    if s.cache_dir is not None and not cache_ram:
+        stderr_line(f"warning: --cache-dir {s.cache_dir} is not used: the prompt cache is off "
+                    f"({'--no-prompt-cache' if not s.prompt_cache else '--cache-ram 0'})")
     return cfg, ServeOptions(policy, tuple(offered), cfg.runtime.parallel, s.host, s.port, s.api_key or None,
                              s.queue, s.max_tokens, s.max_body, v.origin or v.source, tuple(s.allow_host or ()),
                              tuple(s.cors_origin or ()), s.prompt_cache, cache_ram, s.cache_dir if cache_ram else None,
@@ -106,8 +109,11 @@ def build_service(family, cfg: Settings, opts: ServeOptions, report=None, facts=
     for p in opts.policies:
         check_policy(p)
     if opts.cache_dir is not None:
+        from specquant_cli.family.manifest import MANIFEST
         from specquant_cli.fsutil import check_folder_writable
 
+        if (opts.cache_dir / MANIFEST).exists():
+            raise InputError(f"--cache-dir: {opts.cache_dir} is a family folder; name a folder of its own")
         check_folder_writable(opts.cache_dir, "--cache-dir", create=True)
     session = open_session(SessionSettings.of(cfg, parallel=opts.parallel, facts=facts, cache_ram=opts.cache_ram),
                            family=family, **({"report": report} if report is not None else {}))
@@ -137,12 +143,12 @@ def share_prefixes(runtime, slots, opts: ServeOptions, report=None):
     """The parent sequences' prefix sharing and prompt cache (runtime.prefixes), attached to every parent sequence
     the server decodes in."""
     from specquant_cli.family.roles import PARENT_ROLE
-    from specquant_cli.runtime.prefixes import PrefixSharing, PromptCache, cache_tag
+    from specquant_cli.runtime.prefixes import PrefixSharing, PromptCache, cache_tag, user_key
 
     cache = None
     if opts.prompt_cache and opts.cache_ram > 0:
         cache = PromptCache(int(opts.cache_ram * (1 << 20)), cache_tag(runtime.family, runtime.pool.n_ctx),
-                            opts.cache_dir, report)
+                            opts.cache_dir, report, key=user_key() if opts.cache_dir is not None else None)
     if slots is None:
         return PrefixSharing([runtime.pool.context(PARENT_ROLE)], cache, threading.RLock(), reuse=opts.prompt_cache)
     views = [rt.pool.context(PARENT_ROLE) for rt in slots.runtimes]

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
-from specquant_cli.errors import InputError, ResourceError, SpecquantError
+from specquant_cli.errors import Cancelled, InputError, ResourceError, SpecquantError, cancel_on
 from specquant_cli.serving.schemas import ApiError, GenerationParams
 
 EWMA_WEIGHT = 0.3  # weight of the newest job duration in the Retry-After estimate
@@ -56,6 +56,10 @@ class Job:
     @property
     def cancelled(self) -> bool:
         return self._cancel.is_set()
+
+    @property
+    def cancel_event(self) -> threading.Event:
+        return self._cancel
 
     def put(self, kind: str, payload: Any) -> None:
         """From any thread: hand an item to the request's loop (dropped if that loop is gone)."""
@@ -227,18 +231,21 @@ class EngineWorker:
 
     def _execute(self, job: Job, slot: int) -> str:
         """Run one job to its end; returns which counter it adds to: served, cancelled or failed."""
+        last = None
         try:
-            answer, records = self._run(job.params, slot)
-            job.put("start", answer)
-            last = None
-            try:
-                for rec in records:
-                    if job.cancelled:
-                        break
-                    job.put("record", rec)
-                    last = rec
-            finally:
-                records.close()  # a generator: closing it stops the engine now, caches consistent
+            with cancel_on(job.cancel_event):  # a long prefill stops between its chunks once the job is cancelled
+                answer, records = self._run(job.params, slot)
+                job.put("start", answer)
+                try:
+                    for rec in records:
+                        if job.cancelled:
+                            break
+                        job.put("record", rec)
+                        last = rec
+                finally:
+                    records.close()  # a generator: closing it stops the engine now, caches consistent
+        except Cancelled:
+            pass  # answered below, as a cancel between records is
         except InputError as e:  # e.g. the prompt does not fit the context with max_tokens
             job.put("error", ApiError(400, str(e), code="invalid_request"))
             return "failed"
