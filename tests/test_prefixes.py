@@ -120,6 +120,15 @@ def cold(models):
     ctx.close()
 
 
+def with_cache(shared):
+    """(batcher, views, cache, sharing): the shared context's sequences emptied, sharing a fresh RAM cache."""
+    _, batcher, views = shared
+    for v in views:
+        v.reset()
+    cache = PromptCache(256 << 20, "real")
+    return batcher, views, cache, PrefixSharing(views, cache, batcher.ops, batcher.away)
+
+
 def greedy(batcher, view, prompt) -> list[int]:
     with batcher.member():
         return [e.token for e in Engine(view).generate(prompt, N)]
@@ -232,11 +241,7 @@ def test_a_folder_entry_that_is_a_link_a_fifo_or_too_big_is_never_read(tmp_path)
 
 
 def test_a_longer_cached_state_wins_over_another_sequences_shorter_prefix(shared, prompts, cold):
-    _, batcher, views = shared
-    for v in views:
-        v.reset()
-    cache = PromptCache(256 << 20, "real")
-    sharing = PrefixSharing(views, cache, batcher.ops, batcher.away)
+    batcher, views, cache, sharing = with_cache(shared)
     a, b = prompts[0], prompts[1]
     greedy(batcher, views[0], a)
     held = list(views[0].tokens)  # a conversation's first turn: its prompt and answer
@@ -279,11 +284,7 @@ def test_the_folder_keeps_files_this_server_did_not_write(tmp_path):
 
 
 def test_an_entry_whose_state_is_not_what_its_tokens_say_is_dropped_and_the_prompt_prefilled(shared, prompts, cold):
-    _, batcher, views = shared
-    for v in views:
-        v.reset()
-    cache = PromptCache(256 << 20, "real")
-    sharing = PrefixSharing(views, cache, batcher.ops, batcher.away)
+    batcher, views, cache, sharing = with_cache(shared)
     with batcher.member():
         views[0].prefill(prompts[0][:40])
     cache.put(list(prompts[2][:-1]), views[0].ctx.export_state(0))  # 40 positions under a longer prompt's tokens
