@@ -212,8 +212,8 @@ def _chunks(calls: list[Call], n_batch: int) -> Iterator[list[Call]]:
     sequence order: with a KV cache per sequence (not unified), llama.cpp computes a batch in one pass only
     when its sequence ids come in order and without gaps; [3, 2, 1, 0] took four passes (measured: 640 ms
     against 166 ms for [0, 1, 2, 3] on the 1.5B parent). The runtime's shared contexts use one unified
-    cache, which has no such rule (8 sequences, out of order: 270 ms, in order 275 ms); the order and the
-    server's lowest-free-slot rule keep a per-sequence cache fast too."""
+    cache, which has no such rule (8 sequences, out of order: 270 ms, in order 275 ms); the order keeps a
+    per-sequence cache fast too when the running sequences are consecutive."""
     chunk, n = [], 0
     for c in calls:
         if chunk and n + len(c.tokens) > n_batch:

@@ -221,8 +221,8 @@ class EngineWorker:
                         (1 - EWMA_WEIGHT) * self._mean_s + EWMA_WEIGHT * took
 
     def _pick(self, job: Job) -> int:
-        """The job's slot (`choose`: the one holding the longest prefix of its prompt); the least recently used
-        free slot when the choice fails."""
+        """The job's slot (`choose`: Service.slot_for, by what the slots hold of its prompt); the least recently
+        used free slot when the choice fails."""
         try:
             slot = self._choose(job.params, list(self._free))
         except Exception:  # noqa: BLE001 - a choice is an optimization: its failure costs a prefill, not the job
