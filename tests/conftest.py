@@ -93,17 +93,13 @@ def parent_judge(models):
     noise where they part) or unexplained. Answers of requests decoded together may differ at a near-tie."""
     from specquant_cli.backend.llama import Context
     from specquant_cli.bench import fidelity
-    from specquant_cli.decoding.engine import Engine
-    from specquant_cli.decoding.stream import generate_text
 
     ctx = Context(models["f16"], 1024)
     bound = fidelity.measure_noise(ctx, 4, 8).bound
 
     def verdict(prompt: str, text: str, max_tokens: int) -> str:
         p = ctx.model.chat_prompt([{"role": "user", "content": prompt}])
-        ctx.reset()
-        ref = generate_text(Engine(ctx), p, max_tokens)[1]
-        return fidelity.classify_text(ctx, p, ref, text, bound)["verdict"]
+        return fidelity.judge_text(ctx, p, text, max_tokens, bound)["verdict"]
 
     yield verdict
     ctx.close()

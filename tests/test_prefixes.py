@@ -43,7 +43,7 @@ def test_eviction_keeps_the_budget_and_drops_the_least_recently_used():
     c = PromptCache(3 * one, "t")
     for k in range(3):
         assert c.put([k] * 50, state(1000))
-    c.best([0] * 50)  # entry 0 is now the most recent: entry 1 goes first
+    c.use(c.best([0] * 50)[0])  # entry 0 was restored: the most recent now, so entry 1 goes first
     c.put([3] * 50, state(1000))
     assert c.bytes <= c.budget
     kept = {e.tokens[0] for e in c._entries.values()}
@@ -163,7 +163,7 @@ def test_a_state_restored_from_ram_or_disk_gives_the_cold_prefills_tokens(shared
         views[0].prefill([1, 2, 3] * 10)  # the slot is reused: what it held goes to the cache first
     assert cache.status()["entries"] == 1 and cache.covers(held)
     assert greedy(batcher, views[1], c) == cold(c)  # takes the system prompt from the cache
-    assert cache.status()["hits"] == 1 and cache.status()["restored_tokens"] > 100
+    assert cache.status()["hits"] == 1 and sharing.status()["restored_tokens"] > 100
     assert views[1].tokens[:len(c) - 1] == list(c[:-1])
     # a later server: the folder only
     disk = PromptCache(256 << 20, "real", tmp_path, key=KEY)

@@ -36,17 +36,12 @@ def ask(server: ServerProc, messages: list[dict]) -> tuple[str, int, int]:
 def judge(models):
     """verdict(messages, text): the served answer against the parent alone, cold (bench.fidelity's classes)."""
     from specquant_cli.backend.llama import Context
-    from specquant_cli.decoding.engine import Engine
-    from specquant_cli.decoding.stream import generate_text
 
     ctx = Context(models["f16"], 1024)
     bound = fidelity.measure_noise(ctx, 4, 8).bound
 
     def verdict(messages: list[dict], text: str) -> str:
-        p = ctx.model.chat_prompt(messages)
-        ctx.reset()
-        ref = generate_text(Engine(ctx), p, N)[1]
-        return fidelity.classify_text(ctx, p, ref, text, bound)["verdict"]
+        return fidelity.judge_text(ctx, ctx.model.chat_prompt(messages), text, N, bound)["verdict"]
 
     yield verdict
     ctx.close()

@@ -181,6 +181,17 @@ def classify_text(ctx: Context, prompt: Sequence[int], parent: Sequence[int], te
             else UNEXPLAINED}
 
 
+def judge_text(ctx: Context, prompt: Sequence[int], text: str, max_tokens: int, bound: float) -> dict:
+    """A served answer (`text`) against the parent's own greedy answer to `prompt`, decoded now in `ctx` from
+    nothing, one token per call (as the parent policy decodes): classify_text's verdict."""
+    from specquant_cli.decoding.engine import Engine
+    from specquant_cli.decoding.stream import generate_text
+
+    ctx.reset()
+    parent = generate_text(Engine(ctx), prompt, max_tokens)[1]
+    return classify_text(ctx, prompt, parent, text, bound)
+
+
 def check(ctx: Context, records: Sequence, prompts: dict[str, list[int]], gamma: int, gamma_max: int) -> dict:
     """Measure the noise, then set `fidelity` on every greedy lossless record with a parent answer to compare
     with (the parent's own records are identical by definition); the report's `fidelity` object."""

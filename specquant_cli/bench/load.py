@@ -439,9 +439,7 @@ def judge(results: Sequence[RequestResult], runtime, max_tokens: int,
     identical, near-tie within the measured batch-vs-single noise, or unexplained). Sets each result's
     `fidelity`; returns the counts, the noise and the divergences."""
     from specquant_cli.bench import fidelity
-    from specquant_cli.decoding.engine import Engine
     from specquant_cli.decoding.gamma import GAMMA_MAX
-    from specquant_cli.decoding.stream import generate_text
     from specquant_cli.family.roles import PARENT_ROLE
 
     ctx = runtime.pool.context(PARENT_ROLE)
@@ -454,9 +452,7 @@ def judge(results: Sequence[RequestResult], runtime, max_tokens: int,
         if len(prompt) + max_tokens > ctx.n_ctx:
             raise InputError(f"conversation {r.conversation} turn {r.turn}: {len(prompt)} prompt tokens and "
                              f"{max_tokens} new ones do not fit the parent's --ctx {ctx.n_ctx}; raise --ctx")
-        ctx.reset()
-        reference = generate_text(Engine(ctx), prompt, max_tokens)[1]
-        verdict = fidelity.classify_text(ctx, prompt, reference, r.text, noise.bound)
+        verdict = fidelity.judge_text(ctx, prompt, r.text, max_tokens, noise.bound)
         r.fidelity = verdict
         counts[verdict["verdict"]] += 1
         if verdict["verdict"] != fidelity.IDENTICAL:

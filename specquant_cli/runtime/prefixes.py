@@ -79,24 +79,27 @@ class PromptCache:
         self._next = 0
         self._lock = threading.Lock()
         self.bytes = 0
-        self.counts = {"hits": 0, "misses": 0, "evictions": 0, "restored_tokens": 0, "copied_tokens": 0,
-                       "refused_files": 0}
+        self.counts = {"hits": 0, "misses": 0, "evictions": 0, "refused_files": 0}
         if directory is not None:
             self._read_folder(report)
 
     # -- lookup and store ------------------------------------------------------------------------
-    def best(self, tokens: Sequence[int], touch: bool = True) -> tuple[Optional[Entry], int]:
-        """The entry sharing the longest prefix with `tokens`, and that length; with `touch` the entry becomes the
-        most recently used."""
+    def best(self, tokens: Sequence[int]) -> tuple[Optional[Entry], int]:
+        """The entry sharing the longest prefix with `tokens`, and that length (`use` it to keep it longer)."""
         with self._lock:
             found, n = None, 0
-            for key, e in self._entries.items():
+            for e in self._entries.values():
                 k = common_prefix(e.tokens, tokens)
                 if k > n:
-                    found, n, at = e, k, key
-            if found is not None and touch:
-                self._entries.move_to_end(at)
+                    found, n = e, k
             return found, n
+
+    def use(self, entry: Entry) -> None:
+        """`entry` was restored: it becomes the most recently used (a hit)."""
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if e is entry]:
+                self._entries.move_to_end(key)
+            self.counts["hits"] += 1
 
     def covers(self, tokens: Sequence[int]) -> bool:
         """Whether an entry already holds all of `tokens` (as its prefix)."""
@@ -278,7 +281,7 @@ class PrefixSharing:
         self.away = away or contextlib.nullcontext
         self._targets: dict[int, tuple[int, ...]] = {}  # seq -> the prompt it is prefilling now
         self._lock = threading.Condition()
-        self.counts = {"copied_tokens": 0, "restored_tokens": 0, "waits": 0}
+        self.counts = {"copied_tokens": 0, "restored_tokens": 0, "waits": 0}  # what sharing saved, and its waits
         for v in self.views:
             v.prefixes = self
 
@@ -289,8 +292,9 @@ class PrefixSharing:
             view.rewind(0)
             return view.sync(tokens, logits="none")
         self._keep(view, tokens)
-        with self._prefilling(view, tokens):
-            self._take(view, tokens)
+        cached = self.cache.best(tokens) if self.cache is not None else (None, 0)
+        with self._prefilling(view, tokens, cached[1]):
+            self._take(view, tokens, cached)
             return view.sync(tokens, logits="none")
 
     def _keep(self, view, tokens: tuple[int, ...]) -> None:
@@ -309,10 +313,10 @@ class PrefixSharing:
         self.cache.put(held, state)
 
     @contextlib.contextmanager
-    def _prefilling(self, view, tokens: tuple[int, ...]) -> Iterator[None]:
+    def _prefilling(self, view, tokens: tuple[int, ...], cached: int) -> Iterator[None]:
         """While `view` prefills `tokens`, others sharing a longer prefix wait for it; it first waits for any other
-        prefill whose prompt shares more with `tokens` than what is computed anywhere."""
-        cached = self.cache.best(tokens, touch=False)[1] if self.cache is not None else 0
+        prefill whose prompt shares more with `tokens` than what is computed anywhere (`cached`: the prompt
+        cache's longest prefix of it)."""
         with self._lock:
             deadline = time.monotonic() + WAIT_S
             while self._ahead(view, tokens, cached) is not None and time.monotonic() < deadline:
@@ -344,23 +348,22 @@ class PrefixSharing:
     def _view(self, seq: int):
         return next((v for v in self.views if v.seq == seq), None)
 
-    def _take(self, view, tokens: tuple[int, ...]) -> None:
-        """Give `view` the longest computed prefix of `tokens` held elsewhere (another sequence's cells, or a cached
-        state when that is longer), when it beats its own by MIN_REUSE tokens."""
+    def _take(self, view, tokens: tuple[int, ...], cached: tuple[Optional[Entry], int]) -> None:
+        """Give `view` the longest computed prefix of `tokens` held elsewhere (another sequence's cells, or the
+        `cached` (entry, length) when that is longer), when it beats its own by MIN_REUSE tokens."""
         own = common_prefix(view.tokens, tokens)
-        _, cached = self.cache.best(tokens, touch=False) if self.cache is not None else (None, 0)
+        entry, n = cached
         with self.ops:
             donors = [(common_prefix(v.tokens, tokens), v) for v in self.views if v is not view]
-            n, donor = max(donors, key=lambda d: d[0], default=(0, None))
-            if donor is not None and n >= own + MIN_REUSE and n >= cached:
+            shared, donor = max(donors, key=lambda d: d[0], default=(0, None))
+            if donor is not None and shared >= own + MIN_REUSE and shared >= n:
                 view.rewind(own)
-                view.ctx.copy_seq(donor.seq, view.seq, own, n)
-                view.tokens[:] = tokens[:n]
-                self._count("copied_tokens", n - own)
+                view.ctx.copy_seq(donor.seq, view.seq, own, shared)
+                view.tokens[:] = tokens[:shared]
+                self.counts["copied_tokens"] += shared - own
                 return
         if self.cache is None:
             return
-        entry, n = self.cache.best(tokens)
         if entry is None or n < own + MIN_REUSE:
             self.cache.count("misses")
             return
@@ -374,21 +377,13 @@ class PrefixSharing:
                 return
             view.tokens[:] = list(entry.tokens)
             view.rewind(n)
-        self.cache.count("hits")
-        self._count("restored_tokens", n - own)
-
-    def _count(self, name: str, n: int) -> None:
-        self.counts[name] += n
-        if self.cache is not None and name in self.cache.counts:
-            self.cache.count(name, n)
+        self.cache.use(entry)
+        self.counts["restored_tokens"] += n - own
 
     def status(self) -> dict:
-        """The prompt cache's use and budget with what was shared (prompt_cache_status's shape)."""
-        if self.cache is not None:
-            return self.cache.status()
-        return {"enabled": False, "budget_bytes": 0, "bytes": 0, "entries": 0, "hits": 0, "misses": 0,
-                "evictions": 0, "restored_tokens": 0, "copied_tokens": self.counts["copied_tokens"], "dir": None}
-
-
-def budget_bytes(mib: Optional[float]) -> int:
-    return int((mib or 0) * (1 << 20))
+        """The prompt cache's use and budget with the prompt tokens sharing saved (prompt_cache_status's shape)."""
+        cache = self.cache.status() if self.cache is not None else \
+            {"enabled": False, "budget_bytes": 0, "bytes": 0, "entries": 0, "hits": 0, "misses": 0, "evictions": 0,
+             "dir": None}
+        return {**cache, "restored_tokens": self.counts["restored_tokens"],
+                "copied_tokens": self.counts["copied_tokens"]}
