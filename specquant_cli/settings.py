@@ -106,6 +106,17 @@ def check_policy(name: str) -> str:
         raise SettingError(str(e)) from None
 
 
+PARENT_CHOICES = ("fastest", "f16", "bf16")
+
+
+def check_parent(value: Any) -> str:
+    """The parent's rendering as asked: fastest, f16 or bf16."""
+    v = str(value).strip().lower()
+    if v not in PARENT_CHOICES:
+        raise SettingError(f"{value!r}: one of {', '.join(PARENT_CHOICES)}")
+    return v
+
+
 def check_path(value: Any) -> Optional[Path]:
     text = str(value)
     if not text or "\0" in text:
@@ -286,6 +297,9 @@ def _declare() -> dict[str, Setting]:
                 hi=MAX_CTX),
         Setting("runtime", "threads", int, 0, "llama.cpp threads (0 = every core)", "--threads", lo=0,
                 check=check_threads),
+        Setting("runtime", "parent", str, "fastest", "The parent's rendering: f16, bf16, or fastest (the one this "
+                "machine's calibration measured faster where the family has both and the CPU has BF16 dot products; "
+                "else the one the family has, F16 where the CPU has none)", "--parent", check=check_parent),
         Setting("runtime", "mmap", bool, False, "Map model files instead of reading them into memory (faster "
                 "start, shared pages; a file changed under a mapping can crash the process)", "--mmap"),
         Setting("runtime", "rpc", str, None, "Run the parent's layers on llama.cpp RPC workers "
@@ -575,7 +589,8 @@ class SessionSettings:
     TOML file with a [router] table (None: ./specquant.toml when present); rpc: the parent's RPC workers and
     rpc_timeout their reply deadline; mmap: map model files; facts: this machine's hardware facts when already
     detected; parallel: sequences every context holds, each with n_ctx positions; draft_memory: MiB of each
-    policy's drafting memory; cache_ram: MiB of the prompt cache (serve), counted by the memory check."""
+    policy's drafting memory; cache_ram: MiB of the prompt cache (serve), counted by the memory check; parent: the
+    parent's rendering as asked (fastest, f16, bf16), decided by system.renderings when the session opens."""
 
     family: Optional[Path] = None
     n_ctx: int = DEFAULT_CTX
@@ -594,6 +609,7 @@ class SessionSettings:
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT_S
     draft_memory: float = DEFAULT_DRAFT_MEMORY_MIB
     cache_ram: float = 0.0
+    parent: str = "fastest"
 
     def __post_init__(self):
         self.stop = tuple(self.stop)
@@ -605,6 +621,7 @@ class SessionSettings:
         names = {"family": "runtime.family", "n_ctx": "runtime.ctx", "gamma": "decoding.gamma",
                  "threads": "runtime.threads", "policy": "decoding.policy", "rpc": "runtime.rpc",
                  "parallel": "runtime.parallel", "mmap": "runtime.mmap", "rpc_timeout": "runtime.rpc_timeout",
-                 "draft_memory": "decoding.draft_memory", "cache_ram": "serving.cache_ram"}
+                 "draft_memory": "decoding.draft_memory", "cache_ram": "serving.cache_ram",
+                 "parent": "runtime.parent"}
         kw = {f: cfg.get(k) for f, k in names.items() if k in cfg.values and cfg.get(k) is not None}
         return cls(**{"router_config": cfg.config, **kw, **extra})

@@ -11,6 +11,9 @@ REPO = Path(__file__).resolve().parent.parent
 FAMILY_DIR = REPO / "models" / "smollm2-135m"
 
 
+PINNED_PARENT = "f16"  # the parent's rendering every test runs with unless it sets its own (see _isolate)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def selftest_cache(tmp_path_factory) -> Iterator[Path]:
     """One XDG cache for the session, holding the llama.cpp build's self-test result: the suite runs the
@@ -23,6 +26,7 @@ def selftest_cache(tmp_path_factory) -> Iterator[Path]:
     cache = tmp_path_factory.mktemp("xdg-cache")
     old = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(cache)  # for the session fixtures too (set up before _isolate)
+    os.environ["SPECQUANT_PARENT"] = PINNED_PARENT  # and the module fixtures' servers and commands (see _isolate)
     r = selftest.run()
     if not r.ok:
         pytest.exit(f"llama.cpp self-test failed: {r.error}", returncode=1)
@@ -43,6 +47,9 @@ def _isolate(monkeypatch, tmp_path_factory, selftest_cache):
 
     for s in settings_table().values():  # a developer's SPECQUANT_* settings do not reach the tests
         monkeypatch.delenv(s.env, raising=False)
+    # Which rendering `auto` makes the parent depends on this machine's CPU and calibration: pinned to F16 (what a
+    # family opened without a session serves too); the tests of the choice set it themselves.
+    monkeypatch.setenv("SPECQUANT_PARENT", PINNED_PARENT)
     from specquant_cli import settings
 
     settings._resolved_debug.clear()  # what an earlier in-process command resolved

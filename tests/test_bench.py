@@ -190,3 +190,25 @@ def test_every_lossless_policy_shows_its_share_of_q4_and_its_drafting_levels():
     assert any("stacked-q4` drafting levels" in line and "6/8" in line for line in levels_lines(list(summ.values())))
     no_q4 = summarize(recs[:1] + recs[2:], ["parent", "spec-q4"])
     assert all(s["q4_share"] is None for s in no_q4)
+
+
+def test_a_bf16_parent_is_benched_beside_the_f16_parent(family_dir, tmp_path):
+    """Where the parent that serves is BF16 and the family has an F16 rendering, the bench runs the F16 parent
+    alone beside it (the figure users know), says which rendering is the parent, and prices every policy
+    against both."""
+    out = tmp_path / "b.json"
+    r = run_cli(["bench", "--family", str(family_dir), "--categories", "qa", "--limit", "1", "--parent", "bf16",
+                 "--policies", "parent,spec-q4", "--max-tokens", "8", "--warmup", "0", "--json-file", str(out)])
+    assert r.exit_code == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["family"]["parent"] == {"rendering": "bf16", "why": "bf16, as asked (--parent)"}
+    assert "parent: bf16, as asked" in r.stderr
+    summ = {s["policy"]: s for s in rep["summary"]}
+    assert list(summ) == ["parent", "parent-f16", "spec-q4"]
+    assert summ["parent-f16"]["f16_speedup"] == 1.0
+    assert summ["parent"]["f16_speedup"] == pytest.approx(summ["parent"]["tokens_per_s"]
+                                                           / summ["parent-f16"]["tokens_per_s"], abs=1e-3)
+    assert [r["policy"] for r in rep["records"]] == ["parent", "spec-q4", "parent-f16"]
+    r = run_cli(["bench", "--family", str(family_dir), "--categories", "qa", "--limit", "1", "--parent", "f16",
+                 "--policies", "parent", "--max-tokens", "4", "--warmup", "0", "--json-file", str(out)])
+    assert r.exit_code == 0 and [s["policy"] for s in json.loads(out.read_text())["summary"]] == ["parent"]

@@ -19,7 +19,7 @@ Q4 = {n: 0.002 * (1 + 0.2 * (n - 1)) for n in range(1, 9)}
 def deep_cal() -> Calibration:
     """Calls after 1024 positions: the parent's 1.5x / 1.3x / 1.1x its figures at 64 (sizes 1, 4, 8)."""
     return Calibration(PARENT, {"q4": Q4[1]}, draft_call_s={"q4": dict(Q4)},
-                       deep_call_s={"f16": {1: 1.5 * PARENT[1], 4: 1.3 * PARENT[4], 8: 1.1 * PARENT[8]},
+                       deep_call_s={"parent": {1: 1.5 * PARENT[1], 4: 1.3 * PARENT[4], 8: 1.1 * PARENT[8]},
                                     "q4": {1: 2.0 * Q4[1], 4: 2.0 * Q4[4], 8: 2.0 * Q4[8]}},
                        deep_pos=1024, import_s={"q4": {64: 0.001, 1024: 0.009}})
 
@@ -61,9 +61,10 @@ BAD = {  # name -> (mutation, a phrase of the reason)
     "draft-call-not-a-curve": (_put("draft_call_s", "q4", [0.1]), "q4 draft_call_s is a JSON array, not an object"),
     "draft-call-bad-role": (_put("draft_call_s", "Q 4!", {"1": 0.01}), "draft_call_s names the role 'Q 4!'"),
     "draft-calls-missing": (_drop("draft_call_s"), "draft_call_s missing"),
-    "deep-call-absurd": (_put("deep_call_s", "f16", "4", 1e9), "f16 deep_call_s[4] 1e+09 s is not a timing"),
-    "deep-call-size-2": (_put("deep_call_s", "f16", "2", 0.01), "f16 deep_call_s has the size '2', not one of 1, 4, 8"),
-    "deep-call-size-text": (_put("deep_call_s", "f16", "x1", 0.01), "f16 deep_call_s has the size 'x1'"),
+    "deep-call-absurd": (_put("deep_call_s", "parent", "4", 1e9), "parent deep_call_s[4] 1e+09 s is not a timing"),
+    "deep-call-size-2": (_put("deep_call_s", "parent", "2", 0.01),
+                         "parent deep_call_s has the size '2', not one of 1, 4, 8"),
+    "deep-call-size-text": (_put("deep_call_s", "parent", "x1", 0.01), "parent deep_call_s has the size 'x1'"),
     "deep-calls-a-list": (_put("deep_call_s", []), "deep_call_s is a JSON array, not an object"),
     "deep-pos-negative": (_put("deep_pos", -1), "deep_pos -1 is not a position"),
     "deep-pos-fraction": (_put("deep_pos", 10.5), "deep_pos 10.5 is not a position"),
@@ -93,44 +94,44 @@ def test_an_entry_of_the_previous_schema_lacks_the_new_fields():
     for k in ("draft_call_s", "deep_call_s", "deep_pos", "import_s"):
         del entry[k]
     assert "draft_call_s, deep_call_s, deep_pos, import_s missing" in entry_problem(entry)
-    assert cal.SCHEMA == 5
+    assert cal.SCHEMA == 6
 
 
 # -- depth_factor ------------------------------------------------------------------------------------------
 def test_depth_factor_is_exact_at_the_measured_points():
     c = deep_cal()
-    assert c.depth_factor("f16", 1, 1024) == pytest.approx(1.5)
-    assert c.depth_factor("f16", 4, 1024) == pytest.approx(1.3)
-    assert c.depth_factor("f16", 8, 1024) == pytest.approx(1.1)
+    assert c.depth_factor("parent", 1, 1024) == pytest.approx(1.5)
+    assert c.depth_factor("parent", 4, 1024) == pytest.approx(1.3)
+    assert c.depth_factor("parent", 8, 1024) == pytest.approx(1.1)
     assert c.depth_factor("q4", 4, 1024) == pytest.approx(2.0)
     for n in (1, 4, 8):
-        assert c.depth_factor("f16", n, cal.PREFILL_TOKENS) == 1.0
+        assert c.depth_factor("parent", n, cal.PREFILL_TOKENS) == 1.0
 
 
 def test_depth_factor_is_linear_in_position_and_between_sizes():
     c = deep_cal()
     mid = (cal.PREFILL_TOKENS + 1024) // 2
-    assert c.depth_factor("f16", 1, mid) == pytest.approx(1.25)
-    assert c.depth_factor("f16", 1, 2 * 1024 - cal.PREFILL_TOKENS) == pytest.approx(2.0)  # extrapolated
-    assert c.depth_factor("f16", 2, 1024) == pytest.approx(1.5 + (1.3 - 1.5) / 3)  # between sizes 1 and 4
-    assert c.depth_factor("f16", 6, 1024) == pytest.approx(1.2)  # between 4 and 8
-    assert c.depth_factor("f16", 16, 1024) == pytest.approx(1.1)  # beyond 8: the nearest
+    assert c.depth_factor("parent", 1, mid) == pytest.approx(1.25)
+    assert c.depth_factor("parent", 1, 2 * 1024 - cal.PREFILL_TOKENS) == pytest.approx(2.0)  # extrapolated
+    assert c.depth_factor("parent", 2, 1024) == pytest.approx(1.5 + (1.3 - 1.5) / 3)  # between sizes 1 and 4
+    assert c.depth_factor("parent", 6, 1024) == pytest.approx(1.2)  # between 4 and 8
+    assert c.depth_factor("parent", 16, 1024) == pytest.approx(1.1)  # beyond 8: the nearest
     assert c.call_s_at(4, 1024) == pytest.approx(1.3 * c.call_s(4))
     assert c.call_s_at(4, 10) == c.call_s(4)
 
 
 def test_depth_factor_is_one_when_not_measured_and_never_below():
-    assert Calibration(PARENT).depth_factor("f16", 4, 4000) == 1.0
+    assert Calibration(PARENT).depth_factor("parent", 4, 4000) == 1.0
     assert deep_cal().depth_factor("q8", 4, 4000) == 1.0  # no deep figures for this role
-    faster = Calibration(PARENT, deep_call_s={"f16": {1: 0.5 * PARENT[1]}}, deep_pos=1024)  # noise
-    assert faster.depth_factor("f16", 1, 4000) == 1.0
-    assert all(deep_cal().depth_factor("f16", n, p) >= 1.0 for n in (1, 3, 8, 16) for p in (0, 10, 64, 500, 9000))
+    faster = Calibration(PARENT, deep_call_s={"parent": {1: 0.5 * PARENT[1]}}, deep_pos=1024)  # noise
+    assert faster.depth_factor("parent", 1, 4000) == 1.0
+    assert all(deep_cal().depth_factor("parent", n, p) >= 1.0 for n in (1, 3, 8, 16) for p in (0, 10, 64, 500, 9000))
 
 
 def test_depth_factor_of_a_batch_view_reads_one_sequence_alone():
     c = deep_cal()
     view = c.for_batch(2)
-    assert view.depth_factor("f16", 4, 1024) == pytest.approx(1.3)
+    assert view.depth_factor("parent", 4, 1024) == pytest.approx(1.3)
     assert view.call_s_at(2, 1024) == pytest.approx(view.call_s(2) * 1.3)  # the batch's call: 4 tokens
 
 
@@ -187,11 +188,11 @@ class _RefusingDraft:
 
 
 def test_a_refused_import_stores_nothing_and_leaves_the_draft_reset():
-    ctxs = {"f16": _Parent(), "q4": _RefusingDraft()}
+    ctxs = {"parent": _Parent(), "q4": _RefusingDraft()}
     ticks = []
-    got = cal._time_imports(ctxs.__getitem__, "f16", ["q4"], [[1] * 64, [2] * 300], ticks.append)
+    got = cal._time_imports(ctxs.__getitem__, "parent", ["q4"], [[1] * 64, [2] * 300], ticks.append)
     assert got == {} and ctxs["q4"].tokens == [] and ctxs["q4"].resets >= 1
-    assert len(ticks) == 2 and ctxs["f16"].tokens == []
+    assert len(ticks) == 2 and ctxs["parent"].tokens == []
 
 
 # -- a real measurement ------------------------------------------------------------------------------------
@@ -206,12 +207,12 @@ def quick(monkeypatch):
 def _measure(models, n_ctx: int):
     from specquant_cli.backend.llama import Context
 
-    ctxs = {role: Context(models[role], n_ctx) for role in ("f16", "q8", "q4")}
+    ctxs = {role: Context(models["f16" if role == "parent" else role], n_ctx) for role in ("parent", "q8", "q4")}
     ticks = []
     try:
-        c = cal.measure(ctxs.__getitem__, "f16", ["q8", "q4"], lambda what, i, n: ticks.append((i, n)))
+        c = cal.measure(ctxs.__getitem__, "parent", ["q8", "q4"], lambda what, i, n: ticks.append((i, n)))
         left = {role: ctx.n_past for role, ctx in ctxs.items()}
-        return c, ticks, ctxs["f16"].n_ctx, left
+        return c, ticks, ctxs["parent"].n_ctx, left
     finally:
         for ctx in ctxs.values():
             ctx.close()
@@ -233,9 +234,9 @@ def test_a_real_measurement_goes_deep_in_a_512_context(models, quick):
         curve = [c.draft_call_s[role][n] for n in range(1, cal.DRAFT_BATCH + 1)]
         assert curve == sorted(curve)  # monotone
         assert sorted(c.import_s[role]) == [cal.PREFILL_TOKENS, 488] and all(v > 0 for v in c.import_s[role].values())
-    for role in ("f16", "q8", "q4"):
+    for role in ("parent", "q8", "q4"):
         assert sorted(c.deep_call_s[role]) == list(cal.DEEP_SIZES) and all(v > 0 for v in c.deep_call_s[role].values())
-    assert c.depth_factor("f16", 4, 488) >= 1.0 and c.import_cost("q4", 300) > 0
+    assert c.depth_factor("parent", 4, 488) >= 1.0 and c.import_cost("q4", 300) > 0
     assert left["q8"] == left["q4"] == 0  # the drafts' contexts reset after the imports and the agreement pass
 
 
@@ -246,5 +247,5 @@ def test_a_real_measurement_skips_the_deep_calls_in_a_256_context(models, quick)
     assert c.deep_pos == 0 and c.deep_call_s == {}
     assert {r: sorted(s) for r, s in c.import_s.items()} == {"q8": [cal.PREFILL_TOKENS], "q4": [cal.PREFILL_TOKENS]}
     assert sorted(c.draft_call_s["q4"]) == list(range(1, cal.DRAFT_BATCH + 1))
-    assert c.depth_factor("f16", 8, 200) == 1.0
+    assert c.depth_factor("parent", 8, 200) == 1.0
     assert entry_problem(json.loads(json.dumps(c.to_dict()))) is None

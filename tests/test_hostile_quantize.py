@@ -406,7 +406,7 @@ def test_pull_builds_checks_and_rebuilds_a_damaged_family(fake_registry, tmp_pat
     assert r.exit_code == 0 and "built" in r.stderr, r.stderr
     fam = tmp_path / "tiny"
     f = assert_family_ok(fam)
-    assert set(f.manifest["variants"]) == {"q4", "q8", "f16"} and "Q4_1" in f.provenance
+    assert set(f.manifest["variants"]) == {"q4", "q8", "f16", "bf16"} and "Q4_1" in f.provenance
     r = cli(["pull", "tiny", "--models-dir", tmp_path])
     assert r.exit_code == 0 and "present and verified" in r.stderr
     p = fam / "tiny-q8_0.gguf"

@@ -242,7 +242,7 @@ def _costs(q4_batch: Optional[dict] = None, deep: Optional[dict] = None, imports
     from specquant_cli.decoding.gamma import expected_tokens, verify_shape
     from specquant_cli.system.calibration import Calibration
 
-    c = Calibration({n: 0.06 * verify_shape(n) for n in range(1, 17)}, {"q4": 0.025}, {"f16": 0.008, "q4": 0.005},
+    c = Calibration({n: 0.06 * verify_shape(n) for n in range(1, 17)}, {"q4": 0.025}, {"parent": 0.008, "q4": 0.005},
                     {"q4": 0.9}, {"q4": [expected_tokens(0.9, g) for g in range(1, 16)]}, {"q4": 0.045})
     c.draft_call_s = {"q4": q4_batch} if q4_batch else {}
     if deep:
@@ -264,7 +264,7 @@ def test_the_second_level_is_priced_from_the_drafts_batch_curve():
     assert auto.stacked_step(_costs(STEEP_BATCH), "q4", 0.8) == 1.0  # a call per token either way: no gain
 
     def by(c, copy):
-        return {x.name: x for x in auto.candidates("medium", copy, ("f16", "q4"), c)}
+        return {x.name: x for x in auto.candidates("medium", copy, ("parent", "q4"), c)}
 
     plain, cheap, steep = by(_costs(), 0.8), by(_costs(CHEAP_BATCH), 0.8), by(_costs(STEEP_BATCH), 0.8)
     # Where the batch curve is measured the two-level form replaces the plain one: never predicted below it,
@@ -281,10 +281,10 @@ def test_plans_are_priced_at_the_answers_context_position():
 
     # Deep in the context the parent's one-token call costs 2x, its 8-token call 1.2x, the draft's step 1.1x:
     # drafting pays more there.
-    c = _costs(CHEAP_BATCH, deep={"f16": {1: 0.12, 4: 0.06 * 1.8 * 1.2, 8: 0.06 * 2.1 * 1.2},
+    c = _costs(CHEAP_BATCH, deep={"parent": {1: 0.12, 4: 0.06 * 1.8 * 1.2, 8: 0.06 * 2.1 * 1.2},
                                   "q4": {1: 0.0275, 4: 0.034 * 1.1, 8: 0.042 * 1.1}})
-    near = {x.name: x.predicted for x in auto.candidates("medium", 0.0, ("f16", "q4"), c, position=64)}
-    far = {x.name: x.predicted for x in auto.candidates("medium", 0.0, ("f16", "q4"), c, position=1024)}
+    near = {x.name: x.predicted for x in auto.candidates("medium", 0.0, ("parent", "q4"), c, position=64)}
+    far = {x.name: x.predicted for x in auto.candidates("medium", 0.0, ("parent", "q4"), c, position=1024)}
     assert far["stacked-q4"] > near["stacked-q4"] and far["parent"] == near["parent"] == 1.0
     deep = c.at(1024)
     assert deep.parent_call_s[1] == pytest.approx(0.12) and deep.draft_step_s["q4"] == pytest.approx(0.0275)
@@ -295,8 +295,8 @@ def test_a_long_prompts_import_is_charged_to_a_short_answer():
     from specquant_cli.routing import auto
 
     c = _costs(imports={"q4": {64: 0.01, 1024: 0.5}})
-    long_answer = {x.name: x.predicted for x in auto.candidates("medium", 0.0, ("f16", "q4"), c, prompt_tokens=1024,
+    long_answer = {x.name: x.predicted for x in auto.candidates("medium", 0.0, ("parent", "q4"), c, prompt_tokens=1024,
                                                                 answer_tokens=512)}
-    short_answer = {x.name: x.predicted for x in auto.candidates("medium", 0.0, ("f16", "q4"), c,
+    short_answer = {x.name: x.predicted for x in auto.candidates("medium", 0.0, ("parent", "q4"), c,
                                                                  prompt_tokens=1024, answer_tokens=8)}
     assert short_answer["q4"] < long_answer["q4"] and short_answer["suffix"] == long_answer["suffix"]

@@ -43,7 +43,7 @@ def registered():
 
 def test_registered_policy_plans_from_the_table(registered):
     plan = plan_for("test-repeat", "high")
-    assert plan.drafter == "test-repeat" and plan.roles == ["f16"] and not plan.lossy
+    assert plan.drafter == "test-repeat" and plan.roles == ["parent"] and not plan.lossy
 
 
 def test_registered_drafter_runs_through_chat_and_is_lossless(registered, family_dir):
@@ -84,8 +84,8 @@ def test_spec_of_any_draft_role_is_a_policy():
     before = set(DRAFTERS)
     spec = policy_spec("spec-zz9")
     assert spec.drafter == "zz9" and not spec.lossy and "spec-zz9" not in POLICIES  # the table stays as it is
-    assert plan_for("spec-zz9", "low").roles == ["f16", "zz9"]
-    for bad in ("spec-ngram", "spec-suffix", "spec-f16", "spec-Bad!", "fastest", "spec-"):
+    assert plan_for("spec-zz9", "low").roles == ["parent", "zz9"]
+    for bad in ("spec-ngram", "spec-suffix", "spec-f16", "spec-bf16", "spec-parent", "spec-Bad!", "fastest", "spec-"):
         with pytest.raises(InputError, match="unknown policy"):
             check_policy(bad)
     assert set(DRAFTERS) == before  # looking policies up registers nothing (no suffix+ngram, no zz9)
@@ -101,7 +101,7 @@ class AlternatingPlanner:
         from specquant_cli.routing.plan import Plan
 
         draft = "q4" if len(self.observed) % 2 == 0 else None
-        return Plan(ctx.policy, ctx.tier, "f16", draft, "fixed" if draft else "none", why="alternating")
+        return Plan(ctx.policy, ctx.tier, "parent", draft, "fixed" if draft else "none", why="alternating")
 
     def observe(self, answer):
         self.observed.append((answer.plan.drafter, answer.last.new_tokens))

@@ -77,7 +77,7 @@ def test_bad_config_is_a_clear_error(tmp_path):
 
 def test_paper_policy_maps_tiers():
     assert plan_for("paper", "low").drafter == "q4" and plan_for("paper", "medium").drafter == "q8"
-    assert plan_for("paper", "high").drafter is None and plan_for("paper", "high").target == "f16"
+    assert plan_for("paper", "high").drafter is None and plan_for("paper", "high").target == "parent"
     assert plan_for("quasar", "low").target == "q8" and plan_for("quasar", "low").lossy
     assert plan_for("q4", None).lossy and not plan_for("adaptive", None).lossy
 

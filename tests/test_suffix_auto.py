@@ -69,7 +69,7 @@ def cal(step_ratio, calls=None):
 
 
 def test_auto_never_picks_a_plan_predicted_below_the_parent():
-    cands = auto.candidates("medium", 0.0, ("f16", "q4", "q8"), cal(step_ratio=2.0))
+    cands = auto.candidates("medium", 0.0, ("parent", "q4", "q8"), cal(step_ratio=2.0))
     best = auto.choose(cands)
     assert all(c.predicted <= 1.0 for c in cands if c.drafter in ("q4", "q8"))
     assert best.drafter in (None, "suffix") and best.predicted >= 1.0  # draft-free costs nothing unmatched
@@ -81,7 +81,7 @@ def test_auto_model_drafts_need_a_margin_over_the_parent():
 
 
 def test_auto_picks_a_cheap_accurate_draft():
-    best = auto.choose(auto.candidates("medium", 0.0, ("f16", "q4", "q8"), cal(step_ratio=0.2)))
+    best = auto.choose(auto.candidates("medium", 0.0, ("parent", "q4", "q8"), cal(step_ratio=0.2)))
     assert best.drafter in ("q4", "q8", "suffix+q4", "suffix+q8") and best.predicted > 1.0
 
 
@@ -92,14 +92,14 @@ def test_auto_follows_what_the_session_measured():
         state.observe("medium", "suffix+q4", 0.7)
         state.observe("medium", "q8", 0.7)
         state.observe("medium", "suffix+q8", 0.7)
-    cands = auto.candidates("medium", 0.0, ("f16", "q4", "q8"), cal(step_ratio=0.2), state)
+    cands = auto.candidates("medium", 0.0, ("parent", "q4", "q8"), cal(step_ratio=0.2), state)
     assert auto.choose(cands).drafter in (None, "suffix")  # measured slow drafts lose to their priors
     assert {c.source for c in cands if c.drafter not in (None, "suffix")} == {"session"}
 
 
 def test_auto_weighs_a_recipe_draft_only_once_it_is_measured():
     c = cal(step_ratio=0.4)
-    roles = ("f16", "q4", "q8", "q3g")
+    roles = ("parent", "q4", "q8", "q3g")
     names = [x.name for x in auto.candidates("medium", 0.3, roles, c)]
     assert "q3g" not in names and "suffix+q3g" not in names  # no prior for a recipe: never a guess
     c.draft_step_s["q3g"] = 0.1 * 0.2  # measured: half q4's step at the same agreement
@@ -108,7 +108,7 @@ def test_auto_weighs_a_recipe_draft_only_once_it_is_measured():
     assert by["q3g"].predicted > by["q4"].predicted and by["q3g"].model
     assert by["suffix+q3g"].predicted > by["suffix+q4"].predicted and not by["suffix+q3g"].model
     assert auto.choose(cands).name in ("q3g", "suffix+q3g")
-    assert "q3g" not in [x.name for x in auto.candidates("medium", 0.3, ("f16", "q4"), c)]  # not in the family
+    assert "q3g" not in [x.name for x in auto.candidates("medium", 0.3, ("parent", "q4"), c)]  # not in the family
 
 
 def test_auto_plan_for_a_recipe_draft_loads_it_and_adapts_its_length():
@@ -117,22 +117,22 @@ def test_auto_plan_for_a_recipe_draft_loads_it_and_adapts_its_length():
 
     c = cal(step_ratio=0.9)
     c.draft_step_s["q4i"] = 0.1 * 0.15
-    plan = plan_for("auto", "medium", PlanContext("auto", "medium", 0.0, ("f16", "q4", "q8", "q4i"), c))
-    assert plan.drafter in ("q4i", "suffix+q4i") and plan.roles == ["f16", "q4i"]
+    plan = plan_for("auto", "medium", PlanContext("auto", "medium", 0.0, ("parent", "q4", "q8", "q4i"), c))
+    assert plan.drafter in ("q4i", "suffix+q4i") and plan.roles == ["parent", "q4i"]
     assert plan.gamma_policy == ("calibrated" if plan.drafter == "q4i" else "capped")  # a mix adapts inside the drafter
-    plan = plan_for("auto", "medium", PlanContext("auto", "medium", 0.9, ("f16", "q4", "q8", "q4i"), c))
-    assert plan.drafter == "suffix+q4i" and plan.gamma_policy == "capped" and plan.roles == ["f16", "q4i"]
+    plan = plan_for("auto", "medium", PlanContext("auto", "medium", 0.9, ("parent", "q4", "q8", "q4i"), c))
+    assert plan.drafter == "suffix+q4i" and plan.gamma_policy == "capped" and plan.roles == ["parent", "q4i"]
 
 
 def test_a_recipe_draft_must_clearly_beat_q4():
     c = cal(step_ratio=0.4)
     c.draft_step_s["q4i"] = c.draft_step_s["q4"] * 0.99  # predicted about 1 % better: within the noise
-    cands = auto.candidates("medium", 0.0, ("f16", "q4", "q4i"), c)
+    cands = auto.candidates("medium", 0.0, ("parent", "q4", "q4i"), c)
     by = {x.name: x for x in cands}
     assert by["q4i"].predicted > by["q4"].predicted and by["q4i"].needs > by["q4i"].predicted
     assert auto.choose(cands).name in ("q4", "suffix+q4")
     c.draft_step_s["q4i"] = c.draft_step_s["q4"] * 0.5  # clearly cheaper: it wins
-    assert auto.choose(auto.candidates("medium", 0.0, ("f16", "q4", "q4i"), c)).name in ("q4i", "suffix+q4i")
+    assert auto.choose(auto.candidates("medium", 0.0, ("parent", "q4", "q4i"), c)).name in ("q4i", "suffix+q4i")
 
 
 def test_copy_potential_is_higher_for_repetitive_long_context():

@@ -27,6 +27,7 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
     base_dec = _mean(r.decode_tokens_per_s for r in by.get("parent", []))
     q4 = _mean(r.tokens_per_s for r in by.get("q4", []))  # the lossy alternative a user would otherwise run
     q4_dec = _mean(r.decode_tokens_per_s for r in by.get("q4", []))
+    f16 = _mean(r.tokens_per_s for r in by.get("parent-f16", []))  # the F16 parent beside a BF16 one
     out = []
     for p in policies:
         rs = by.get(p, [])
@@ -45,6 +46,7 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
             "tokens_per_s": round(tps, 3), "speedup": round(tps / base, 4) if base else None,
             "decode_tokens_per_s": round(dec, 3), "decode_speedup": round(dec / base_dec, 4) if base_dec else None,
             "q4_share": round(tps / q4, 4) if q4 else None,
+            "f16_speedup": round(tps / f16, 4) if f16 else None,
             "q4_decode_share": round(dec / q4_dec, 4) if q4_dec else None,
             "kv_import_rate": round(sum(imports) / len(imports), 4) if imports else None,
             "identical_rate": round(sum(ident) / len(ident), 4) if ident else None,
@@ -113,7 +115,7 @@ def _fmt(v, pct=False, x=False) -> str:
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
-COLUMNS = ("policy", "tok/s", "speedup", "decode speedup", "share of q4", "identical",
+COLUMNS = ("policy", "tok/s", "speedup", "decode speedup", "share of q4", "× F16 parent", "identical",
            "identical / near-tie / unexplained",
            "acceptance", "accepted/call", "low/med/high", "accuracy", "draft/verify/prefill", "peak RSS")
 
@@ -137,6 +139,7 @@ def rows(summary: list[dict]) -> list[list[str]]:
         t, sp = s["tiers"], s["time_split"]
         out.append([s["policy"] + (" (lossy)" if s["lossy"] else ""), _fmt(s["tokens_per_s"]),
                     _fmt(s["speedup"], x=True), _fmt(s.get("decode_speedup"), x=True), _q4_cell(s),
+                    _fmt(s.get("f16_speedup"), x=True),
                     _fmt(s["identical_rate"], pct=True), _fidelity_cell(s.get("fidelity")),
                     _fmt(s["acceptance_rate"], pct=True), _fmt(s["mean_accepted_length"]),
                     f"{t['low']:.0%}/{t['medium']:.0%}/{t['high']:.0%}",
@@ -186,7 +189,7 @@ def levels_lines(summary: list[dict]) -> list[str]:
         if not lv:
             continue
         l2 = "–" if lv["level2_acceptance"] is None else f"{lv['level2_acceptance']:.1%}"
-        out.append(f"- `{s['policy']}` drafting levels: level 1 (F16 verifies the draft) acceptance "
+        out.append(f"- `{s['policy']}` drafting levels: level 1 (the parent verifies the draft) acceptance "
                    f"{_fmt(lv['level1_acceptance'], pct=True)}, verify {lv['verify_s']:.1f} s; level 2 (the draft "
                    f"verifies suffix proposals) acceptance {l2} ({lv['level2_accepted']}/{lv['level2_proposed']}), "
                    f"{lv['draft_model_calls']} draft calls for {_fmt(lv['draft_tokens_per_model_call'])} drafted "

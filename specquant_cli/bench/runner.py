@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from specquant_cli.bench import fidelity
@@ -73,14 +73,22 @@ def warm_up(runtime: Runtime, roles: Sequence[str], runs: int) -> None:
             generate_text(Engine(ctx), prompt, 8)
 
 
+REFERENCE = "parent-f16"  # the F16 rendering alone, beside a parent of another rendering: the speed users know
+
+
 def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Sequence[str], max_tokens: int,
         sp: SamplingParams, repeats: int = 1, warmup: int = 1,
-        progress: Optional[Callable[[Record], None]] = None) -> list[Record]:
+        progress: Optional[Callable[[Record], None]] = None, reference: Optional[Runtime] = None) -> list[Record]:
+    """Every policy on every item, interleaved per item. `reference`: a runtime whose parent is the F16
+    rendering, run alone after each item's policies as the REFERENCE row (when the parent serving is BF16)."""
     from specquant_cli.routing.policies import all_roles, policy_spec
 
     roles = all_roles(list(policies))
     runtime.pool.ensure(roles)
     warm_up(runtime, roles, warmup)
+    if reference is not None:
+        reference.pool.ensure([PARENT_ROLE])
+        warm_up(reference, [PARENT_ROLE], warmup)
     if any(policy_spec(p).planner is not None for p in policies):
         runtime.calibration()  # measured (once per machine) before anything is timed
         warm_up(runtime, runtime.load_planner_drafts(), warmup)  # every draft it may pick, before the clock
@@ -88,20 +96,33 @@ def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Seque
     for item in items:
         parent_tokens = None
         for policy in policies:  # interleaved: machine drift hits every policy alike
-            session = ChatSession(runtime, router, policy, sp, max_tokens)
-            runs = []
-            for _ in range(max(1, repeats)):
-                runtime.reset_caches()  # each run pays its own prefill, like a fresh request
-                answer, recs = session.ask(item.prompt, remember=False)
-                tokens = [r.token for r in recs if r.token is not None]
-                runs.append((answer, tokens))
-            answer, tokens = runs[-1]
+            records.append(_timed_runs(runtime, router, item, policy, sp, max_tokens, repeats, parent_tokens))
             if policy == "parent":
-                parent_tokens = tokens
-            records.append(_record(item, policy, answer, tokens, runs, parent_tokens, sp))
+                parent_tokens = records[-1].tokens
+            if progress:
+                progress(records[-1])
+        if reference is not None:
+            records.append(replace(_timed_runs(reference, router, item, "parent", sp, max_tokens, repeats,
+                                               parent_tokens), policy=REFERENCE))
             if progress:
                 progress(records[-1])
     return records
+
+
+def _timed_runs(runtime: Runtime, router: Router, item: Item, policy: str, sp: SamplingParams, max_tokens: int,
+                repeats: int, parent_tokens) -> Record:
+    """One policy's record on one item: `repeats` runs, each from empty caches (it pays its own prefill, like a
+    fresh request), the last one's tokens compared with the parent's."""
+    session = ChatSession(runtime, router, policy, sp, max_tokens)
+    runs = []
+    for _ in range(max(1, repeats)):
+        runtime.reset_caches()
+        answer, recs = session.ask(item.prompt, remember=False)
+        runs.append((answer, [r.token for r in recs if r.token is not None]))
+    answer, tokens = runs[-1]
+    if policy == "parent" and parent_tokens is None:
+        parent_tokens = tokens  # the parent's own run is its own reference
+    return _record(item, policy, answer, tokens, runs, parent_tokens, sp)
 
 
 def _tps(policy: str, answer) -> float:

@@ -19,7 +19,8 @@ def register(app: typer.Typer) -> None:
                               "accuracy.")(bench)
 
 
-@with_settings("decoding.temperature", "decoding.seed", "decoding.gamma", "runtime.family", "runtime.ctx",
+@with_settings("decoding.temperature", "decoding.seed", "decoding.gamma", "runtime.family",
+               "runtime.parent", "runtime.ctx",
                "runtime.threads", "runtime.mmap", "runtime.rpc", "runtime.rpc_timeout",
                "decoding.draft_memory")
 def bench(
@@ -63,18 +64,26 @@ def bench(
     runtime, router, fam = session.runtime, session.router, session.runtime.family
     for p in names:
         check_policy(p, fam.roles())  # before a model loads
+    err.print(f"parent: {fam.parent_why}", markup=False)
+    reference = None  # the F16 parent beside a parent of another rendering: the figure users know
+    if "f16" in fam.renderings() and fam.parent_rendering != "f16":
+        from specquant_cli.runtime import Runtime
+
+        reference = Runtime.open(fam.bind("f16", "the F16 reference"), n_ctx=runtime.pool.n_ctx,
+                                 threads=runtime.pool.threads, facts=facts, mmap=cfg.runtime.mmap)
     datasets.check_lengths(items, router.check_length)
     temperature, seed, n_ctx = cfg.decoding.temperature, cfg.decoding.seed or 0, cfg.runtime.ctx
     sp = SamplingParams(temperature=temperature, seed=seed)
     t0 = time.perf_counter()
-    total = len(items) * len(names)
+    total = len(items) * (len(names) + (reference is not None))
     try:
         if err.is_terminal:
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=err) as prog:
                 task = prog.add_task("bench", total=total)
                 records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup,
-                                     lambda r: prog.update(task, advance=1, description=f"{r.item} {r.policy}"))
+                                     lambda r: prog.update(task, advance=1, description=f"{r.item} {r.policy}"),
+                                     reference)
         else:  # a log file or a pipe: one line per run instead of a redrawn bar
             done = [0]
 
@@ -83,17 +92,22 @@ def bench(
                 err.print(f"[{done[0]}/{total} {time.perf_counter() - t0:.0f}s] {r.item} {r.policy}: "
                           f"{r.tokens_per_s:.2f} tok/s, {r.new_tokens} tokens", markup=False)
 
-            records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup, line)
+            records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup, line, reference)
         with err.status("fidelity: re-scoring divergences from the parent one token at a time"):
             judged = runner.judge_fidelity(runtime, router, items, records, sp)  # after the clock
     finally:
         runtime.close()
+        if reference is not None:
+            reference.close()
+    if reference is not None:
+        names = [*names[:1], runner.REFERENCE, *names[1:]]
     summary = report.summarize(records, names)
     rep = {
         "command": " ".join(["specquant"] + [shlex.quote(a) for a in sys.argv[1:]]),
         "machine": facts.to_dict(),
         "family": {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance, "caveat": INFLATION_NOTE,
-                   "roles": fam.manifest.get("roles", {})},
+                   "roles": fam.manifest.get("roles", {}),
+                   "parent": {"rendering": fam.parent_rendering, "why": fam.parent_why}},
         "config": {"items": len(items), "policies": names, "max_tokens": max_tokens, "temperature": temperature,
                    "seed": seed, "repeats": repeats, "warmup": warmup, "gamma": cfg.decoding.gamma, "n_ctx": n_ctx,
                    "datasets": [str(d) for d in dataset] or ["builtin"], "categories": cats, "limit": limit},

@@ -13,7 +13,7 @@ def register(app: typer.Typer) -> None:
                                   "is read-only).")(calibrate)
 
 
-@with_settings("runtime.family", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc",
+@with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc",
                "runtime.rpc_timeout")
 def calibrate(
     force: bool = typer.Option(False, "--force", help="Measure again even when this machine's costs are cached"),
@@ -22,18 +22,28 @@ def calibrate(
 ) -> None:
     from specquant_cli.session import open_session
     from specquant_cli.settings import SessionSettings
+    from specquant_cli.system.renderings import describe, score
 
-    runtime = open_session(SessionSettings.of(cfg), report=stderr_reporter()).runtime
-    fam = runtime.family
-    try:
-        c = runtime.calibration(force=force, require_save=True)  # unsaveable: refused before measuring
-    finally:
-        runtime.close()
+    settings = SessionSettings.of(cfg)
+    fam, c = _measured(open_session(settings, report=stderr_reporter()).runtime, force)
+    if c.renderings and cfg.runtime.parent == "fastest":
+        best = min(c.renderings, key=lambda r: score(c.renderings[r]))
+        if best != fam.parent_rendering:  # the prior's pick measured slower: the faster one is calibrated too
+            err.print(f"parent: {best} measured faster ({describe(c.renderings)}); calibrating it", markup=False)
+            fam, c = _measured(open_session(settings, family=fam.bind(best, f"{best}, the faster here as "
+                                                                      f"calibrated ({describe(c.renderings)})"),
+                                            report=stderr_reporter()).runtime, force)
+    why = fam.parent_why
+    if c.renderings and cfg.runtime.parent == "fastest":
+        why = f"{fam.parent_rendering}, the faster here as calibrated ({describe(c.renderings)})"
     if json_out:
-        out_json(c.to_dict())
+        out_json({**c.to_dict(), "parent": {"rendering": fam.parent_rendering, "why": why}})
         return
     calls = " · ".join(f"{n}: {s * 1000:.1f}" for n, s in sorted(c.parent_call_s.items()) if n in (1, 2, 4, 8, 16))
     err.print(f"{fam.name} on this machine (measured {c.measured_at}):", markup=False)
+    err.print(f"  parent: {why}", markup=False)
+    if c.renderings:
+        err.print(f"  renderings compared: {describe(c.renderings)}", markup=False)
     err.print(f"  parent call, ms by tokens   {calls}", markup=False)
     for role, s in c.draft_step_s.items():
         err.print(f"  {role} step                    {s * 1000:.1f} ms ({c.draft_ratio(role):.2f}x a parent step)",
@@ -49,3 +59,11 @@ def calibrate(
         err.print(f"  {role} KV import of {at} positions {c.import_cost(role, at) * 1000:.1f} ms", markup=False)
     for role, s in c.prefill_token_s.items():
         err.print(f"  {role} prefill per token       {s * 1000:.2f} ms", markup=False)
+
+
+def _measured(runtime, force: bool):
+    """(the runtime's bound family, its calibration measured or read), the runtime closed after."""
+    try:
+        return runtime.family, runtime.calibration(force=force, require_save=True)  # unsaveable: refused first
+    finally:
+        runtime.close()

@@ -23,7 +23,8 @@ def register(app: typer.Typer) -> None:
 
 
 SETTINGS = ("decoding.policy", "decoding.temperature", "decoding.top_p", "decoding.top_k", "decoding.seed",
-            "decoding.gamma", "runtime.family", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc",
+            "decoding.gamma", "runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.mmap",
+            "runtime.rpc",
             "runtime.rpc_timeout", "decoding.draft_memory")
 
 

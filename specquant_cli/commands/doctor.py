@@ -16,7 +16,8 @@ def register(app: typer.Typer) -> None:
     app.command("doctor", help="What this machine can run: GPUs (NVML), host (psutil), and a placement plan.")(doctor)
 
 
-@with_settings("runtime.family", "runtime.ctx", "runtime.threads", "runtime.rpc", "runtime.rpc_timeout")
+@with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.rpc",
+               "runtime.rpc_timeout")
 def doctor(
     verify: bool = typer.Option(False, "--verify", help="With --family: also check each file's sha256"),
     run_selftest: bool = typer.Option(False, "--selftest", help="Run the llama.cpp build's self-test again "
@@ -48,9 +49,19 @@ def doctor(
         warn_above_trained_ctx(fam, n_ctx)
         # every variant checked (path inside the folder, size, GGUF parse, type, vocabulary; sha256 with --verify)
         checks = fam.check(hashes=verify, deep=True)
-        if PARENT_ROLE not in checks:  # no draft verifies, nothing is lossless: a family that runs no policy
-            checks[PARENT_ROLE] = ("missing: the family has no parent, which every draft verifies against; "
-                                   "specquant quantize BASE --types f16 --out FOLDER adds it")
+        if not fam.renderings():  # no draft verifies, nothing is lossless: a family that runs no policy
+            checks[PARENT_ROLE] = ("missing: the family has no parent (an f16 or bf16 rendering of its base), which "
+                                   "every draft verifies against; specquant quantize BASE --types f16 --out FOLDER "
+                                   "adds it")
+        else:
+            from specquant_cli.system.renderings import decide
+
+            choice = decide(fam, cfg.runtime.parent, facts, cfg.runtime.threads, rpc_endpoints)
+            fam = fam.bind(choice.rendering, choice.why)
+            report["parent"] = choice.to_dict()
+            if cfg.runtime.parent == "fastest":
+                decided = resolve_all(cfg).decided("runtime.parent", choice.rendering, choice.why)
+                report["settings"] = decide_cache_ram(decided, facts.ram_available).to_dict()
         broken = {role: why for role, why in checks.items() if why}
         report["family"] = {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance,
                             "sha256_verified": verify,
@@ -61,7 +72,7 @@ def doctor(
             report["placements"] = {}
         from specquant_cli.system import calibration as cal
 
-        c = cal.load(fam.root, cal.fingerprint(facts, cfg.runtime.threads, rpc_endpoints))
+        c = cal.load(fam.root, cal.fingerprint(facts, cfg.runtime.threads, rpc_endpoints, parent=fam.parent_rendering))
         report["calibration"] = c.to_dict() if c else None
     remote = _rpc_report(rpc_endpoints, report.get("family") and fam, n_ctx)
     if remote:
@@ -171,6 +182,8 @@ def _render(report: dict) -> None:
             v.add_row(role, "ok" if st["ok"] else f"[red]broken[/]: {escape(st['problem'])}")
         err.print(v)
         err.print(f"provenance: {report['family']['provenance']}")
+        if report.get("parent"):
+            err.print(f"parent: {report['parent']['why']}", markup=False)
         c = report.get("calibration")
         if c:
             calls = " · ".join(f"{n}: {s * 1000:.0f}" for n, s in c["parent_call_s"].items()

@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
                                  "the parent alone here, after the run.")(loadtest)
 
 
-@with_settings("runtime.family", "runtime.ctx", "runtime.threads", "runtime.mmap")
+@with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.mmap")
 def loadtest(
     url: str = typer.Option(..., "--url", help="The server's base URL, e.g. http://127.0.0.1:8080"),
     model: Optional[str] = typer.Option(None, "--model", help="Model id to ask for (default: the first of GET "
@@ -154,7 +154,10 @@ def _judge(family, cfg: Settings, results, max_tokens: int) -> dict:
     from specquant_cli.bench import load
     from specquant_cli.console import stderr_reporter
     from specquant_cli.runtime import Runtime
+    from specquant_cli.session import bind_parent
+    from specquant_cli.settings import SessionSettings
 
+    family, _ = bind_parent(family, SessionSettings.of(cfg))  # judged against the parent as a server here serves it
     runtime = Runtime.open(family, n_ctx=cfg.runtime.ctx, threads=cfg.runtime.threads, mmap=cfg.runtime.mmap,
                            report=stderr_reporter())
     try:

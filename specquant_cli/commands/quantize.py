@@ -8,7 +8,6 @@ import typer
 
 from specquant_cli.commands.options import JsonOpt, with_settings
 from specquant_cli.console import byte_progress, err, gib, out_json
-from specquant_cli.family.variants import DEFAULT_TYPES
 from specquant_cli.settings import Settings
 
 
@@ -21,10 +20,11 @@ def register(app: typer.Typer) -> None:
 def quantize(
     base: Path = typer.Argument(..., help="Base model: GGUF with F16/BF16/F32 weights"),
     out: Optional[Path] = typer.Option(None, "--out", help="Family folder (default: models/<base name>)"),
-    types: str = typer.Option(",".join(DEFAULT_TYPES), "--types",
-                              help="Comma-separated types, and/or draft recipes added to the family as roles: "
-                                   "q4i (imatrix Q4_0), q4s (Q4_0 embeddings/output), q3g (graded ~3.5 bpw), "
-                                   "q3g30 (graded ~3.0 bpw)"),
+    types: Optional[str] = typer.Option(
+        None, "--types", help="Comma-separated types, and/or draft recipes added to the family as roles: q4i (imatrix "
+        "Q4_0), q4s (Q4_0 embeddings/output), q3g (graded ~3.5 bpw), q3g30 (graded ~3.0 bpw). Default: q4_k_m,q8_0 "
+        "and the parent's exact renderings: f16 for an F16 or F32 base; bf16 for a BF16 base, plus f16 when "
+        "every weight fits F16 exactly"),
     grade: Optional[float] = typer.Option(None, "--grade",
                                           help="Graded precision to this average bits per weight (with one base "
                                                "type: --types q4_0 --grade 3.5); needs calibrate-activations"),
@@ -40,13 +40,21 @@ def quantize(
 ) -> None:
     threads = cfg.runtime.threads
     from specquant_cli.family.ggufio import read_info
-    from specquant_cli.family.quantize import parse_types, quantize_family
+    from specquant_cli.family.quantize import default_types, parse_types, quantize_family
     from specquant_cli.family.recipes import add_variants, split_types
 
-    plain, recipes = split_types(types, grade, role, ladder)
-    qtypes = parse_types(plain) if plain or not recipes else []  # neither: parse_types names the empty --types
-    info = read_info(base)
-    out_dir = out or Path("models") / base.stem.removesuffix("-f16").removesuffix(".f16")
+    if types is None and grade is None:
+        split_types("", None, role, ladder)  # --role or --ladder without --grade: refused as with any --types
+        info = read_info(base)
+        plain, recipes, qtypes = [], [], default_types(info)
+    else:
+        plain, recipes = split_types(types if types is not None else "", grade, role, ladder)
+        qtypes = parse_types(plain) if plain or not recipes else []  # neither: parse_types names the empty --types
+        info = read_info(base)
+    stem = base.stem
+    for suffix in ("-f16", ".f16", "-bf16", ".bf16"):
+        stem = stem.removesuffix(suffix)
+    out_dir = out or Path("models") / stem
     if recipes and imatrix is not None:  # before any plain type is quantized: a bad one fails first, in one line
         from specquant_cli.family.imatrix import check_option_imatrix
 
@@ -62,7 +70,7 @@ def quantize(
 
         if qtypes:
             manifest = quantize_family(base, out_dir, qtypes, threads=threads, force=force,
-                                       allow_requantize=allow_requantize, progress=progress,
+                                       allow_requantize=allow_requantize, progress=progress, f16_if_exact=types is None,
                                        warn=lambda t: prog.console.print(f"warning: {t}", markup=False))
         if recipes:
             manifest = add_variants(out_dir, recipes, base=base, imatrix_path=imatrix, threads=threads, force=force,

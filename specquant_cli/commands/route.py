@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
 
 
 # The calibration a plan is priced with depends on the threads and the RPC workers: route takes them too.
-@with_settings("decoding.policy", "runtime.family", "runtime.ctx", "runtime.threads", "runtime.rpc")
+@with_settings("decoding.policy", "runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.rpc")
 def route(
     prompt: Optional[list[str]] = typer.Argument(None, help="The prompt; '-' (or no PROMPT) reads stdin",
                                                  show_default=False),

@@ -17,7 +17,8 @@ HELP = ("Serve a family over an OpenAI-compatible HTTP API: /v1/chat/completions
 SETTINGS = ("decoding.policy", "serving.policies", "serving.host", "serving.port", "serving.api_key",
             "serving.allow_host", "serving.cors_origin",
             "runtime.parallel", "serving.queue", "serving.max_tokens", "serving.max_body", "decoding.gamma",
-            "runtime.family", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc", "runtime.rpc_timeout",
+            "runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc",
+            "runtime.rpc_timeout",
             "decoding.draft_memory", "serving.prompt_cache", "serving.cache_ram", "serving.cache_dir",
             "serving.prefill_chunk")
 
@@ -30,9 +31,12 @@ def register(app: typer.Typer) -> None:
 def serve(*, cfg: Settings) -> None:
     from specquant_cli.console import stderr_reporter
     from specquant_cli.serving.server import build_service, run, serve_settings
+    from specquant_cli.session import bind_parent
+    from specquant_cli.settings import SessionSettings
 
-    family = load_family(cfg.runtime.family)
+    family, choice = bind_parent(load_family(cfg.runtime.family), SessionSettings.of(cfg))
     report = stderr_reporter()
+    report.say(f"parent: {choice.why}")
     cfg, opts = serve_settings(cfg, family, report=report)  # every value decided before a context is sized
     svc = build_service(family, cfg, opts, report=report)
     run(svc, opts)

@@ -28,8 +28,12 @@ CALIBRATED_PRIOR_COUNTS = 16.0
 # A longer draft must promise at least this much more throughput than a shorter one to be chosen:
 # on near ties the shorter draft wastes less when the estimate is off.
 TIE_MARGIN = 1.01
+# The longest model draft: what a plan predicts for and an adaptive length may reach. The calibration measures
+# parent calls on up to 16 tokens (system.calibration.MAX_BATCH), so a draft of up to 15 is priced from measured
+# costs; which length pays is the curves' choice (best_draft_length), not this bound's. (It was 8 while the parent
+# was F16, whose 16-token call costs 4 single steps; a BF16 parent's costs 2.6 on the AMD EPYC kind.)
+GAMMA_MAX = 15
 # Draft-free drafters (suffix) size each draft themselves, up to this.
-GAMMA_MAX = 8  # the longest model draft: what a plan predicts for and an adaptive length may reach
 SUFFIX_GAMMA_MAX = 32
 # RateGuard: a planned answer stops drafting when, after this many drafting cycles, its drafting runs below
 # this share of the parent's own rate (the margin covers the VM's minute-to-minute drift of 10-30 %).

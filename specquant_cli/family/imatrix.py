@@ -33,6 +33,7 @@ import numpy as np
 
 from specquant_cli import interrupts
 from specquant_cli.errors import FamilyError, InputError, LlamaError, ResourceError, SpecquantError
+from specquant_cli.family.roles import PARENT_ROLE
 
 IMATRIX_FILE = "imatrix.gguf"
 CALIBRATION_SET = Path(__file__).with_name("calibration_set.jsonl")
@@ -417,7 +418,7 @@ def calibrate_family(family, calibration: Optional[Path] = None, max_tokens: int
     if not MIN_ROWS * 2 <= chunk <= 8192:
         raise InputError(f"--chunk {chunk}: between {MIN_ROWS * 2} and 8192")
     root = Path(family.root)
-    base = family.path("f16")
+    base = family.path(PARENT_ROLE)
     # the folder must take the result: checked before minutes of work, not found out at the end
     check_folder_writable(root, "family folder")
     need, free = _imatrix_bytes(family) + (4 << 20), shutil.disk_usage(root).free
@@ -434,7 +435,7 @@ def calibrate_family(family, calibration: Optional[Path] = None, max_tokens: int
             stats = collect(model, chunks, threads, progress=progress)
         finally:
             model.close()
-    base_sha = family.manifest.get("base", {}).get("sha256") or family.variant("f16").get("sha256")
+    base_sha = family.manifest.get("base", {}).get("sha256") or family.variant(PARENT_ROLE).get("sha256")
     meta = {"source": cal.source, "calibration_sha256": cal.sha256, "tokens": stats.tokens,
             "base_sha256": base_sha or ""}
     dst = root / IMATRIX_FILE

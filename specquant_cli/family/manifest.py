@@ -24,12 +24,12 @@ import os
 import stat
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import FamilyError, ModelFileError
-from specquant_cli.family.roles import PARENT_ROLE, ordered
+from specquant_cli.family.roles import PARENT_ROLE, RENDERINGS, ordered
 from specquant_cli.family.variants import QUANT_TYPES
 from specquant_cli.fsutil import TEMP_RE, fsync_dir, sha256_file, write_bytes_atomic, write_json_atomic
 
@@ -301,8 +301,8 @@ def _journal_problem(root: Path, j) -> Optional[str]:
     why = _structure_problem(m)
     if why:
         return f"its manifest: {why}"
-    if PARENT_ROLE not in m["variants"]:
-        return f"its manifest has no {PARENT_ROLE} variant"
+    if not any(r in m["variants"] for r in RENDERINGS):
+        return f"its manifest has no parent ({' or '.join(RENDERINGS)} variant)"
     renames = j.get("renames")
     if not isinstance(renames, list):
         return "no renames"
@@ -312,7 +312,7 @@ def _journal_problem(root: Path, j) -> Optional[str]:
         if why:
             return why
     future = Family(root, m, files)
-    for role in future.roles():
+    for role in future.stored_roles():
         why = future.problem(role)
         if why:
             return f"its {role} variant: {why}"
@@ -454,9 +454,15 @@ def _file_problem(full: Path, rel: str, size: int, qtype) -> Optional[str]:
 
 @dataclass
 class Family:
+    """A family folder and its manifest. `parent`: the rendering (`f16` or `bf16`, one the manifest holds) that the
+    role `parent` names here — bound once per session (`bind`, from system.renderings.decide); None: the default
+    rendering (`default_rendering`). Every role-taking method reads `parent` as that rendering's variant."""
+
     root: Path
     manifest: dict
     staged: dict[str, Path] = field(default_factory=dict)  # path -> the file a pending commit renames there
+    parent: Optional[str] = None
+    parent_why: str = ""  # why `parent` is the rendering bound (system.renderings.ParentChoice.why)
 
     @classmethod
     def load(cls, root: Path | str, warn: Optional[WarnFn] = None) -> Family:
@@ -494,24 +500,57 @@ class Family:
     def hparams(self) -> dict:
         return self.manifest.get("hparams", {})
 
+    def renderings(self) -> list[str]:
+        """The parent's renderings the manifest holds (f16 first, then bf16)."""
+        return [r for r in RENDERINGS if r in self.manifest["variants"]]
+
+    def default_rendering(self) -> Optional[str]:
+        """The rendering `parent` names when none is bound: F16 when the family has it (the reference), else BF16."""
+        have = self.renderings()
+        return have[0] if have else None
+
+    @property
+    def parent_rendering(self) -> Optional[str]:
+        return self.parent or self.default_rendering()
+
+    def bind(self, rendering: str, why: str = "") -> Family:
+        """This family with `rendering` as its parent, for the reason `why` (FamilyError when the manifest has no
+        such rendering)."""
+        if rendering not in self.renderings():
+            have = ", ".join(self.renderings()) or "none"
+            raise FamilyError(f"family {self.name} has no {rendering} rendering of its parent (it has: {have})")
+        return replace(self, parent=rendering, parent_why=why)
+
+    def _key(self, role: str) -> str:
+        """The manifest key of `role`: the bound rendering for `parent`."""
+        return (self.parent_rendering or role) if role == PARENT_ROLE else role
+
     def roles(self) -> list[str]:
-        """The family's roles, the parent first (family.roles.ordered)."""
+        """The family's roles as plans name them: `parent` first (standing for its renderings), then the drafts
+        (family.roles.ordered)."""
+        stored = self.manifest["variants"]
+        return ordered([PARENT_ROLE if r in RENDERINGS else r for r in stored])
+
+    def stored_roles(self) -> list[str]:
+        """Every variant the manifest records, the renderings included (what is checked, listed, hashed)."""
         return ordered(self.manifest["variants"])
 
     def variant(self, role: str) -> dict:
-        v = self.manifest["variants"].get(role)
+        key = self._key(role)
+        v = self.manifest["variants"].get(key)
         if v is None:
-            raise FamilyError(f"family {self.name} has no {role!r} variant (has: {', '.join(self.roles())})")
+            raise FamilyError(f"family {self.name} has no {role!r} variant (has: {', '.join(self.stored_roles())})")
         if not isinstance(v, dict):
-            raise FamilyError(f"family {self.name}: the {role} variant's manifest record is not an object")
+            raise FamilyError(f"family {self.name}: the {key} variant's manifest record is not an object")
         return v
 
     def problem(self, role: str, hashes: bool = False) -> Optional[str]:
         """Why the `role` variant cannot be used (path, presence, size, GGUF header and file type; sha256 with
         `hashes`)."""
-        v = self.manifest["variants"].get(role)
+        key = self._key(role)
+        v = self.manifest["variants"].get(key)
         if v is None:
-            return "its manifest record is null" if role in self.manifest["variants"] else "not in the manifest"
+            return "its manifest record is null" if key in self.manifest["variants"] else "not in the manifest"
         if not isinstance(v, dict):
             return "its manifest record is not an object"
         full, why = safe_path(self.root, v.get("path"))
@@ -533,12 +572,12 @@ class Family:
 
     def path(self, role: str) -> Path:
         """The checked path of a variant's file; FamilyError naming the reason when it cannot be used."""
-        self.variant(role)
+        v = self.variant(role)
         why = self.problem(role)
         if why:
-            raise FamilyError(f"family {self.name}: {role} variant unusable: {why}; "
+            raise FamilyError(f"family {self.name}: {self._key(role)} variant unusable: {why}; "
                               f"see specquant doctor --family {self.root}")
-        return self.root / self.manifest["variants"][role]["path"]
+        return self.root / v["path"]
 
     def size(self, role: str) -> int:
         size = self.variant(role).get("size_bytes")
@@ -551,7 +590,7 @@ class Family:
         count, type and vocabulary with the manifest and the parent; `hashes` adds sha256."""
         from specquant_cli.family.ggufio import read_info
 
-        out: dict[str, Optional[str]] = {role: self.problem(role, hashes) for role in self.roles()}
+        out: dict[str, Optional[str]] = {role: self.problem(role, hashes) for role in self.stored_roles()}
         if not deep:
             return out
         infos = {}
@@ -561,7 +600,7 @@ class Family:
                     infos[role] = read_info(self.root / self.manifest["variants"][role]["path"])
                 except ModelFileError as e:
                     out[role] = str(e)
-        parent = infos.get("f16")
+        parent = next((infos[r] for r in RENDERINGS if r in infos), None)
         for role, info in infos.items():
             v = self.manifest["variants"][role]
             arch, n_params = self.manifest.get("architecture"), self.manifest.get("n_params")
@@ -572,8 +611,8 @@ class Family:
                 out[role] = f"{v['path']}: {info.n_params} parameters, the family has {n_params}"
             elif want and info.file_type and info.file_type != want:
                 out[role] = f"{v['path']}: its weights are {info.file_type}, the manifest says {want}"
-            elif parent is not None and role != "f16" and info.vocab_sha256 != parent.vocab_sha256:
-                out[role] = f"{v['path']}: its vocabulary differs from the f16 parent's"
+            elif parent is not None and info.vocab_sha256 != parent.vocab_sha256:
+                out[role] = f"{v['path']}: its vocabulary differs from the parent's"
         return out
 
     def verify(self, hashes: bool = True) -> list[str]:

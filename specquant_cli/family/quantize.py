@@ -14,7 +14,8 @@ from typing import Optional
 
 from specquant_cli.errors import InputError, LlamaError, ModelFileError, ResourceError
 from specquant_cli.family import manifest as fam
-from specquant_cli.family.ggufio import GGUFInfo, read_info
+from specquant_cli.family.ggufio import GGUFInfo, NotExact, f16_of_bf16, read_info
+from specquant_cli.family.roles import RENDERINGS
 from specquant_cli.family.variants import QUANT_TYPES, QuantType, variant_record  # noqa: F401  (QuantType: named here too)
 from specquant_cli.fsutil import (
     check_folder_writable,
@@ -193,7 +194,40 @@ def stage_copy(src: Path, dst: Path) -> Path:
 class Step:
     q: QuantType
     dst: Path  # final path in the family folder
-    action: str  # keep (an existing file checked and adopted) | build (quantize) | place (link/copy the base in)
+    # keep (an existing file checked and adopted) | build (quantize) | place (link/copy the base in) |
+    # derive (the F16 rendering of a BF16 base, made only when exact: ggufio.f16_of_bf16)
+    action: str
+
+
+def base_rendering(info: GGUFInfo) -> Optional[str]:
+    """The rendering a float base is itself: `f16` for an F16 base, `bf16` for a BF16 one; None for F32 (or a
+    quantized base), which every 16-bit rendering would round."""
+    return {"F16": "f16", "BF16": "bf16"}.get(info.weight_type) if info.is_float else None
+
+
+def default_types(info: GGUFInfo) -> list[QuantType]:
+    """`quantize`'s types when none are given: the standard drafts and the parent's renderings this base has
+    exactly — an F16 base is kept F16 (never rounded to BF16), a BF16 base is kept BF16 and given an F16
+    rendering too when that is exact (quantize_family's `f16_if_exact`), an F32 base is rounded to F16."""
+    from specquant_cli.family.variants import DEFAULT_TYPES
+
+    drafts = [n for n in DEFAULT_TYPES if QUANT_TYPES[n].role not in RENDERINGS]
+    extra = ["bf16", "f16"] if base_rendering(info) == "bf16" else ["f16"]
+    return [QUANT_TYPES[n] for n in (*drafts, *extra)]
+
+
+def check_renderings(info: GGUFInfo, types: Sequence[QuantType]) -> None:
+    """The renderings asked of this base are exact ones: no BF16 of an F16 base (BF16 keeps 8 significant bits
+    of F16's 11), and not both of an F32 base (two roundings would hold different weights, and the parent's
+    output would depend on which one this machine picks)."""
+    asked = [q.name for q in types if q.name in RENDERINGS]
+    own = base_rendering(info)
+    if own == "f16" and "bf16" in asked:
+        raise InputError(f"--types bf16: the base {info.path} is F16; rounding it to BF16 would change its weights "
+                         "(BF16 keeps 8 significant bits, F16 11), so an F16 base is never rounded: leave bf16 out")
+    if own is None and info.is_float and len(asked) > 1:
+        raise InputError(f"--types {','.join(asked)}: the base {info.path} is {info.weight_type}; each 16-bit "
+                         "rendering rounds it differently, so a family holds one: pick f16 or bf16")
 
 
 def existing_problem(dst: Path, q: QuantType, info: GGUFInfo) -> Optional[str]:
@@ -223,15 +257,16 @@ def _same_content(a: Path, b: Path, b_sha: str) -> bool:
 
 def plan_steps(base: Path, info: GGUFInfo, out_dir: Path, stem: str, types: Sequence[QuantType], force: bool,
                base_sha: str, rebuild_all: bool, warn: WarnFn) -> list[Step]:
-    """What to do per type: keep a valid existing file, build it, or place the F16 base in the folder."""
+    """What to do per type: keep a valid existing file, build it, place the base in the folder as its own
+    rendering, or derive the F16 rendering of a BF16 base."""
     base_inside = base.resolve().parent == out_dir.resolve()
-    base_is_f16 = info.weight_type == "F16" and info.is_float
-    for own in (fam.MANIFEST, LOG, fam.JOURNAL):
-        if os.path.lexists(out_dir / own) and same_file(out_dir / own, base):
-            raise InputError(f"the base {base} is the family's own {own}; refusing to overwrite an input")
+    own = base_rendering(info)
+    for name in (fam.MANIFEST, LOG, fam.JOURNAL):
+        if os.path.lexists(out_dir / name) and same_file(out_dir / name, base):
+            raise InputError(f"the base {base} is the family's own {name}; refusing to overwrite an input")
     steps = []
     for q in types:
-        if q.name == "f16" and base_is_f16:
+        if q.name == own:
             if base_inside:
                 steps.append(Step(q, base, "keep"))
                 continue
@@ -241,13 +276,14 @@ def plan_steps(base: Path, info: GGUFInfo, out_dir: Path, stem: str, types: Sequ
         dst = out_dir / f"{stem}-{q.name}.gguf"
         if os.path.lexists(dst) and same_file(dst, base):
             raise InputError(f"output {dst} is the input base itself; choose another --out, or other --types")
+        make = "derive" if q.name == "f16" and own == "bf16" else "build"
         if not os.path.lexists(dst) or force or rebuild_all:
-            steps.append(Step(q, dst, "build"))
+            steps.append(Step(q, dst, make))
             continue
         why = existing_problem(dst, q, info)
         if why:
             warn(f"{dst}: {why}; rebuilding it")
-        steps.append(Step(q, dst, "build" if why else "keep"))
+        steps.append(Step(q, dst, make if why else "keep"))
     for s in steps:
         if s.dst.is_dir() and not s.dst.is_symlink():
             raise InputError(f"{s.dst} is a folder where the {s.q.name} variant goes; move it away first")
@@ -262,14 +298,12 @@ def _warn_without_parent(steps: list, old: Optional[dict], warn: WarnFn) -> None
     """A family without its parent (every draft verifies against it, lossless output is its own) runs no policy
     until one is added: said before anything is quantized, when neither these types nor the folder's family of
     the same base have it (a family may be built a type at a time)."""
-    from specquant_cli.family.roles import PARENT_ROLE
-
     old_variants = old.get("variants") if old and isinstance(old.get("variants"), dict) else {}
-    if PARENT_ROLE in {s.q.role for s in steps} or PARENT_ROLE in old_variants:
+    if {s.q.role for s in steps} & set(RENDERINGS) or set(old_variants) & set(RENDERINGS):
         return
     have = ",".join(s.q.name for s in steps)
-    warn(f"--types {have} makes a family without its parent ({PARENT_ROLE}): no policy runs on it, and doctor "
-         f"reports it broken, until quantize --types f16 adds it")
+    warn(f"--types {have} makes a family without its parent (an f16 or bf16 rendering of the base): no policy runs "
+         f"on it, and doctor reports it broken, until quantize --types f16 (or bf16, for a BF16 base) adds it")
 
 
 def build_manifest(old: Optional[dict], same_base: bool, name: str, info: GGUFInfo, base_file: str, base_sha: str,
@@ -326,21 +360,54 @@ def _set_aside(mpath: Path, why: str, warn: WarnFn) -> None:
     warn(f"{mpath}: unusable ({why}); kept as {UNUSABLE_MANIFEST}, a new one is written")
 
 
+def derive_f16(base: Path, dst: Path, if_exact: bool, warn: WarnFn,
+               progress: Optional[ProgressFn]) -> Optional[Path]:
+    """The F16 rendering of the BF16 `base` as a finished temp file beside `dst` (ggufio.f16_of_bf16), or None
+    when it would not be exact and `if_exact` (warned); InputError when it would not be exact otherwise."""
+    done, tmp = False, None
+    try:
+        with deferred():
+            fd, tmp = create_temp(dst)
+            os.close(fd)
+        info = read_info(base)
+        prov = (f"F16 rendering of the BF16 base {base.name}, exact (every weight checked: the same values); "
+                f"{info.provenance or DEFAULT_PROVENANCE}")
+        try:
+            f16_of_bf16(base, tmp, prov, (lambda d, n: progress("f16", d, n)) if progress else None)
+        except NotExact as e:
+            if not if_exact:
+                raise InputError(f"--types f16: {e}; an F16 rendering would round them, so none is made "
+                                 "(the BF16 base is the parent: leave f16 out)") from None
+            warn(f"no F16 rendering: {e}; the BF16 base is the family's only parent rendering")
+            return None
+        fsync_file(tmp)
+        done = True
+        return tmp
+    finally:
+        if not done and tmp is not None:
+            tmp.unlink(missing_ok=True)
+
+
 def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, threads: int = 0,
                     force: bool = False, allow_requantize: bool = False, family_name: Optional[str] = None,
                     provenance: Optional[str] = None, notes: Optional[dict] = None,
                     progress: Optional[ProgressFn] = None, warn: Optional[WarnFn] = None,
-                    out_label: str = "--out") -> dict:
+                    out_label: str = "--out", f16_if_exact: bool = False) -> dict:
     """Make every requested variant of `base` in `out_dir` and write `manifest.json`. Returns the manifest.
 
     Nothing in `out_dir` changes until every new file is complete: new variants are written under temp
     names, then committed together with the manifest (family.manifest.commit). Existing files are
     checked (GGUF parse, architecture, parameter count, type, vocabulary) before they are adopted. Warnings
-    go to `warn` (none by default; the command edge prints them); progress to `progress`."""
+    go to `warn` (none by default; the command edge prints them); progress to `progress`.
+
+    The parent's renderings: the base's own is placed as it is; the F16 rendering of a BF16 base is made only
+    when every weight comes back exactly (else InputError naming the tensor, or with `f16_if_exact` a warning
+    and no F16 rendering); an F16 base is never rounded to BF16 (check_renderings)."""
     warn = warn or fam.silent
     base = Path(base)
     info = read_info(base)
     check_base(info, allow_requantize)
+    check_renderings(info, types)
     if not 0 <= threads <= MAX_THREADS:
         raise InputError(f"--threads {threads}: must be between 0 (all cores) and {MAX_THREADS}")
     out_dir = check_folder_writable(Path(out_dir), out_label, create=True)
@@ -358,7 +425,8 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
         steps = plan_steps(base, info, out_dir, stem, types, force, base_sha, rebuild_all, warn)
 
         builds = [s for s in steps if s.action == "build"]
-        needed = sum(estimate_bytes(info, s.q) for s in builds)
+        needed_derive = sum(estimate_bytes(info, s.q) for s in steps if s.action == "derive")
+        needed = sum(estimate_bytes(info, s.q) for s in builds) + needed_derive
         needed += sum(info.path.stat().st_size for s in steps if s.action == "place"
                       and base.stat().st_dev != out_dir.stat().st_dev)
         check_disk(out_dir, needed)
@@ -375,6 +443,12 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
                         staged.append((tmp, s))
                 finally:
                     os.close(log_fd)
+            for s in [s for s in steps if s.action == "derive"]:
+                tmp = derive_f16(base, s.dst, f16_if_exact, warn, progress)
+                if tmp is None:
+                    steps.remove(s)
+                else:
+                    staged.append((tmp, s))
             for s in steps:
                 if s.action == "place":
                     staged.append((stage_copy(base, s.dst), s))
@@ -382,12 +456,12 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
             variants = {}
             for s in steps:
                 tmp = next((t for t, st in staged if st is s), None)
-                f16_of_base = s.q.name == "f16" and s.action != "build" and info.weight_type == "F16"
-                sha = base_sha if f16_of_base else None
+                of_base = s.q.name == base_rendering(info) and s.action in ("keep", "place")
+                sha = base_sha if of_base else None
                 variants[s.q.role] = variant_record(tmp or s.dst, s.q.name, s.q.role, info.n_params, s.dst.name,
                                                     now if tmp else None, sha)
-            f16 = next((s for s in steps if s.q.name == "f16" and s.action != "build"), None)
-            base_file = f16.dst.name if f16 else str(base)
+            own = next((s for s in steps if s.q.name == base_rendering(info) and s.action in ("keep", "place")), None)
+            base_file = own.dst.name if own else str(base)
             manifest = build_manifest(old, same_base, stem, info, base_file, base_sha, base.stat().st_size, variants,
                                       provenance, notes, warn)
             if unusable:

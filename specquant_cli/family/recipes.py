@@ -26,7 +26,7 @@ from typing import Optional
 
 from specquant_cli.errors import FamilyError, InputError, LlamaError, ModelFileError, ResourceError
 from specquant_cli.family import grade as grading
-from specquant_cli.family.roles import check_role
+from specquant_cli.family.roles import PARENT_ROLE, check_role
 from specquant_cli.family.variants import LADDER, QUANT_TYPES, RECIPES, Recipe, variant_record
 
 ProgressFn = Callable[[str, int, int], None]  # (stage label, done, total)
@@ -118,12 +118,12 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
     fam.recover(root, warn)
     remove_stale(root)
     family = fam.Family.load(root, warn)
-    src = family.path("f16")
+    src = family.path(PARENT_ROLE)
     if base is not None and not same_file(Path(base), src):
         base_sha = family.manifest.get("base", {}).get("sha256")
         if sha256_file(Path(base)) != base_sha:
             raise InputError(f"{base} is not the base of the family at {root}; recipes quantize the family's own "
-                             "F16 (quantize the family from this base first)")
+                             "parent (quantize the family from this base first)")
     info = read_info(src)
     if not info.is_float:
         raise ModelFileError(f"{src}: the family's f16 role is not a float model")

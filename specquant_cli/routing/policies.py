@@ -15,7 +15,7 @@ from typing import Optional
 from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX
 from specquant_cli.decoding.registry import drafter_spec
 from specquant_cli.errors import InputError
-from specquant_cli.family.roles import PARENT_ROLE, STANDARD_DRAFTS, is_role_name
+from specquant_cli.family.roles import PARENT_ROLE, RENDERINGS, STANDARD_DRAFTS, is_role_name
 from specquant_cli.names import TIERS, Tier
 from specquant_cli.routing.plan import GammaPolicyKind, Plan, PlanContext, Planner
 
@@ -66,8 +66,8 @@ def _recipe_policies() -> list[PolicySpec]:
     """`spec-<recipe>` for every draft recipe of family.recipes (q4i, q4s, …), described by its recipe."""
     from specquant_cli.family.variants import RECIPES
 
-    return [PolicySpec(f"spec-{r.role}", f"`{r.role}` ({r.help}) drafts, F16 verifies", drafter=r.role, in_bench=False)
-            for r in RECIPES.values()]
+    return [PolicySpec(f"spec-{r.role}", f"`{r.role}` ({r.help}) drafts, the parent verifies", drafter=r.role,
+                       in_bench=False) for r in RECIPES.values()]
 
 
 def register_policy(spec: PolicySpec) -> PolicySpec:
@@ -84,20 +84,21 @@ for _spec in (
                "`stacked-<draft>` once its batch curve is measured, and `suffix+` each); never one predicted below "
                "1.0x, and an answer whose drafting runs below the parent's rate goes on with the parent alone",
                planner=_auto_planner, roles=STANDARD_DRAFTS),
-    PolicySpec("paper", "low → `q4` drafts, F16 verifies; medium → `q8` drafts, F16 verifies; high → F16 alone",
+    PolicySpec("paper", "low → `q4` drafts, the parent verifies; medium → `q8` drafts, the parent verifies; high → "
+               "the parent alone",
                by_tier={"low": "q4", "medium": "q8", "high": None}),
-    PolicySpec("parent", "F16 alone"),
-    PolicySpec("spec-q4", "`q4` drafts, F16 verifies", drafter="q4"),
-    PolicySpec("spec-q8", "`q8` drafts, F16 verifies", drafter="q8"),
+    PolicySpec("parent", "the parent alone"),
+    PolicySpec("spec-q4", "`q4` drafts, the parent verifies", drafter="q4"),
+    PolicySpec("spec-q8", "`q8` drafts, the parent verifies", drafter="q8"),
     PolicySpec("stacked-q4", "`q4` drafts with its own steps speculated by suffix drafts over the drafting memory "
-               "(a second level `q4` verifies in one call), F16 verifies", drafter="stacked-q4",
+               "(a second level `q4` verifies in one call), the parent verifies", drafter="stacked-q4",
                gamma_policy="calibrated", in_bench=False),
-    PolicySpec("spec-q4-prefill", "`q4` drafts after its own prompt prefill (no KV import), F16 verifies",
+    PolicySpec("spec-q4-prefill", "`q4` drafts after its own prompt prefill (no KV import), the parent verifies",
                drafter="q4-prefill", in_bench=False),
     *_recipe_policies(),
-    PolicySpec("ngram", "prompt-lookup n-gram drafts (no model call), F16 verifies", drafter="ngram"),
+    PolicySpec("ngram", "prompt-lookup n-gram drafts (no model call), the parent verifies", drafter="ngram"),
     PolicySpec("suffix", "suffix-match drafts over the prompt, the answer and the session's earlier turns (no "
-               "model call), draft length from match length and measured costs, F16 verifies", drafter="suffix",
+               "model call), draft length from match length and measured costs, the parent verifies", drafter="suffix",
                gamma_policy="capped", gamma_cap=SUFFIX_GAMMA_MAX),
     PolicySpec("adaptive", "n-gram drafts (matches of 3+ tokens) when the context offers them; after 32 "
                "generated tokens `q4` drafts otherwise; draft length adapted to measured costs and acceptance",
@@ -120,19 +121,19 @@ def policy_help() -> str:
 
 def policy_spec(name: str) -> PolicySpec:
     """The registered policy `name`, or `spec-<role>` for any other draft role (a variant made by
-    `quantize --grade BPW --role NAME`): that role drafts, F16 verifies. A pure lookup: nothing is registered
+    `quantize --grade BPW --role NAME`): that role drafts, the parent verifies. A pure lookup: nothing is registered
     here (a family's role drafters are registered when it is opened), and whether the family has the role is
     checked when its models load."""
     spec = POLICIES.get(name)
     if spec is not None:
         return spec
     role = name.removeprefix("spec-")
-    if role != name and is_role_name(role) and role != PARENT_ROLE:
+    if role != name and is_role_name(role) and role != PARENT_ROLE and role not in RENDERINGS:
         from specquant_cli.decoding.registry import DRAFTERS
 
         taken = DRAFTERS.get(role)
         if taken is None or taken.roles == (role,):  # not a name taken by another drafter (ngram, suffix)
-            return PolicySpec(name, f"`{role}` drafts, F16 verifies", drafter=role, in_bench=False)
+            return PolicySpec(name, f"`{role}` drafts, the parent verifies", drafter=role, in_bench=False)
     raise InputError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}, or spec-<role> for "
                      "another draft role of the family")
 
@@ -173,7 +174,7 @@ def markdown_table() -> str:
     rows = ["| policy | what runs | output |", "|---|---|---|"]
     for n, s in POLICIES.items():
         name = f"`{n}`" + (" (default)" if n == DEFAULT_POLICY else "")
-        rows.append(f"| {name} | {s.help} | {'**lossy**' if s.lossy else '= F16'} |")
+        rows.append(f"| {name} | {s.help} | {'**lossy**' if s.lossy else '= parent'} |")
     rows.append("| `spec-<role>` | any other draft role of the family (one made by `quantize --grade BPW --role NAME`) "
-                "drafts, F16 verifies | = F16 |")
+                "drafts, the parent verifies | = parent |")
     return "\n".join(rows)

@@ -48,9 +48,9 @@ class CostModel:
 
         pool = self.pool
         if force:
-            self._calibration = self._measure(cal, cal.fingerprint(pool.facts, pool.threads, pool.rpc), require_save)
+            self._calibration = self._measure(cal, self._fingerprint(cal), require_save)
         if self._calibration is None or (measure and self._uncalibrated()):
-            fp = cal.fingerprint(pool.facts, pool.threads, pool.rpc)
+            fp = self._fingerprint(cal)
             self._calibration, why = cal.load_checked(pool.family.root, fp)
             if measure and (self._calibration is None or self._uncalibrated()):
                 if why:
@@ -59,6 +59,10 @@ class CostModel:
             elif why:
                 self._say_once(f"calibration: {why}; not used (specquant calibrate measures it again)")
         return self._calibration
+
+    def _fingerprint(self, cal) -> dict:
+        pool = self.pool
+        return cal.fingerprint(pool.facts, pool.threads, pool.rpc, parent=pool.family.parent_rendering)
 
     def _say_once(self, line: str) -> None:
         if line not in self._said:
@@ -88,10 +92,34 @@ class CostModel:
         with self.report.status("calibrating this machine's costs (once per family and machine)") as status:
             c = cal.measure(pool.context, PARENT_ROLE, drafts,
                             lambda what, i, n: status.update(f"calibrating: {what} ({i}/{n})"))
+            pool.release([r for r in drafts if r not in before])  # loaded only to be measured
+            c.renderings = self._compare_renderings(cal, lambda what: status.update(f"calibrating: {what}"))
         c.left_out = skipped
         self._save(cal, fp, c, require_save)
-        pool.release([r for r in drafts if r not in before])  # loaded only to be measured
         return c
+
+    def _compare_renderings(self, cal, tick) -> dict:
+        """Both renderings of the parent timed back to back (calibration.compare_renderings), when the family has
+        both, the parent runs here and the CPU has BF16 dot products (without them F16 stays: nothing to
+        compare); {} otherwise, or when the other rendering does not fit beside what is loaded."""
+        from specquant_cli.system.renderings import bf16_dot
+
+        pool = self.pool
+        serving = pool.family.parent_rendering
+        others = [r for r in pool.family.renderings() if r != serving]
+        if not others or pool.rpc or bf16_dot(pool.facts) is None:
+            return {}
+        try:
+            pool.ensure(others)
+        except ResourceError:
+            self.report.say(f"calibration: the {others[0]} rendering does not fit beside the parent; renderings "
+                            "not compared")
+            return {}
+        try:
+            return cal.compare_renderings(lambda r: pool.context(PARENT_ROLE if r == serving else r),
+                                          [serving, *others], tick)
+        finally:
+            pool.release(others)
 
     def _save(self, cal, fp, c, require_save: bool) -> None:
         root = self.pool.family.root

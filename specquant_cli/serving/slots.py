@@ -143,7 +143,8 @@ def parallel_for(family, facts, threads: int, rpc: list[str]) -> tuple[int, str]
     from specquant_cli.system import calibration as cal
     from specquant_cli.system.hardware import detect
 
-    c = cal.load(family.root, cal.fingerprint(facts if facts is not None else detect(), threads, rpc))
+    c = cal.load(family.root, cal.fingerprint(facts if facts is not None else detect(), threads, rpc,
+                                              parent=family.parent_rendering))
     if c is not None:
         return best_parallel(c.call_s), "this machine's calibration"
     return best_parallel(verify_shape), None

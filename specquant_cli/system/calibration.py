@@ -7,7 +7,11 @@
 - the same calls on 1, 4 and 8 tokens deep in the context (DEEP_POS positions, or fewer in a small
   context): attention reads every cached position, so a call costs more the longer the text before it;
 - the seconds a draft takes to import the parent's KV cache, at 64 positions and at the deep one;
-- how often each draft's greedy token agrees with the parent's own answers.
+- how often each draft's greedy token agrees with the parent's own answers;
+- where the family holds both renderings of its parent (F16 and BF16) and the CPU has BF16 dot products, both
+  renderings' prefill and 1/4/8/16-token calls, back to back (`renderings`): system.renderings picks the faster.
+
+An entry is per rendering of the parent: the fingerprint names it.
 
 A few seconds on the demo family (about 20 s more for the deep positions on a 1.5B family); cached in
 the family folder keyed by a hardware fingerprint and the llama-cpp-python version."""
@@ -32,7 +36,7 @@ from specquant_cli.family.roles import PARENT_ROLE, is_role_name
 from specquant_cli.fsutil import create_temp, write_json_atomic
 
 CALIBRATION_FILE = "calibration.json"
-SCHEMA = 5  # part of the cache key: an entry measured by an older version is measured again
+SCHEMA = 6  # part of the cache key: an entry measured by an older version is measured again
 MAX_BATCH = 16  # parent call sizes measured: 1..MAX_BATCH tokens
 DRAFT_BATCH = 8  # draft call sizes measured: 1..DRAFT_BATCH tokens (a draft verifying another's proposals)
 DEEP_POS = 1024  # the deep position measured, when the context has room for it and a call after it
@@ -59,9 +63,11 @@ AGREEMENT_PROMPTS = (
 )
 AGREEMENT_TOKENS = 64  # parent tokens per prompt
 
-def fingerprint(facts, threads: Optional[int] = None, rpc: Optional[list[str]] = None) -> dict:
-    """What a calibration depends on; a parent on RPC workers is calibrated per worker set (`rpc` endpoints).
-    `threads`: as resolved (settings: never 0); None stands for every core."""
+def fingerprint(facts, threads: Optional[int] = None, rpc: Optional[list[str]] = None,
+                parent: Optional[str] = None) -> dict:
+    """What a calibration depends on; a parent on RPC workers is calibrated per worker set (`rpc` endpoints), and
+    each rendering of the parent (`parent`: f16, bf16) on its own. `threads`: as resolved (settings: never 0); None
+    stands for every core."""
     from importlib.metadata import version
 
     model = ""
@@ -73,7 +79,8 @@ def fingerprint(facts, threads: Optional[int] = None, rpc: Optional[list[str]] =
     return {"schema": SCHEMA, "cpu": model, "cores": facts.cores_logical,
             "threads": threads or max(1, os.cpu_count() or 1),
             "gpus": [g.name for g in facts.gpus], "gpu_offload": facts.gpu_offload,
-            "llama_cpp_python": version("llama-cpp-python"), **({"rpc": sorted(rpc)} if rpc else {})}
+            "llama_cpp_python": version("llama-cpp-python"), **({"rpc": sorted(rpc)} if rpc else {}),
+            "parent": parent or "f16"}
 
 
 def key_of(fp: dict) -> str:
@@ -112,6 +119,9 @@ class Calibration:
     deep_pos: int = 0  # the position deep_call_s was measured at; 0: not measured (the context was too small)
     # draft role -> positions in the parent's cache -> seconds to export it and import it into the draft's
     import_s: dict[str, dict[int, float]] = field(default_factory=dict)
+    # rendering (f16, bf16) -> {"prefill_token_s": s, "call_s": {tokens: s}}, timed back to back (compare_renderings);
+    # empty when the family has one rendering or the CPU no BF16 dot products
+    renderings: dict[str, dict] = field(default_factory=dict)
 
     def verify_cost(self, n: int) -> float:
         """A parent call on n tokens, relative to a one-token call (linear beyond the measured sizes)."""
@@ -237,7 +247,9 @@ class Calibration:
                    draft_call_s={k: _sized(v) for k, v in d.get("draft_call_s", {}).items()},
                    deep_call_s={k: _sized(v) for k, v in d.get("deep_call_s", {}).items()},
                    deep_pos=int(d.get("deep_pos", 0)),
-                   import_s={k: _sized(v) for k, v in d.get("import_s", {}).items()})
+                   import_s={k: _sized(v) for k, v in d.get("import_s", {}).items()},
+                   renderings={r: {"prefill_token_s": float(t["prefill_token_s"]), "call_s": _sized(t["call_s"])}
+                               for r, t in d.get("renderings", {}).items()})
 
 
 def _sized(d: dict) -> dict[int, float]:
@@ -356,6 +368,38 @@ def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
     return Calibration(calls, steps_s, prefill, agree, cycles, pairs,
                        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                        draft_call_s=draft_calls, deep_call_s=deep, deep_pos=deep_pos, import_s=imports)
+
+
+RENDERING_SIZES = (1, 4, 8, 16)  # call sizes the renderings' comparison times
+RENDERING_REPEATS = 3
+
+
+def compare_renderings(ctx_for: Callable[[str], object], renderings: list[str],
+                       tick: Optional[Callable[[str], None]] = None) -> dict[str, dict]:
+    """Rendering -> {"prefill_token_s", "call_s": {n: s}}: each rendering's prefill of PREFILL_TOKENS tokens and
+    its calls on RENDERING_SIZES tokens after it, on `ctx_for(rendering)`'s context, the renderings timed in turn
+    within each of RENDERING_REPEATS rounds (the VM drifts between minutes: only ratios within one run are
+    compared), the fastest of each kept. Every context is reset after."""
+    ctxs = {r: ctx_for(r) for r in renderings}
+    prompt = synthetic_prompt(next(iter(ctxs.values())).model.n_vocab, PREFILL_TOKENS)
+    best = {r: {"prefill_token_s": float("inf"), "call_s": {n: float("inf") for n in RENDERING_SIZES}}
+            for r in renderings}
+    for ctx in ctxs.values():  # the first pass touches every weight (a cold model reads from disk)
+        ctx.reset()
+        ctx.decode(prompt, logits="last")
+    for i in range(RENDERING_REPEATS):
+        for r, ctx in ctxs.items():
+            ctx.reset()
+            b = best[r]
+            b["prefill_token_s"] = min(b["prefill_token_s"], _timed(ctx, prompt, "last") / len(prompt))
+            for n in RENDERING_SIZES:
+                ctx.rewind(len(prompt))
+                b["call_s"][n] = min(b["call_s"][n], _timed(ctx, prompt[:n]))
+        if tick:
+            tick(f"renderings round {i + 1}")
+    for ctx in ctxs.values():
+        ctx.reset()
+    return best
 
 
 def deep_position(n_ctx: int) -> int:
@@ -506,7 +550,7 @@ FIELDS = {  # every key an entry holds, and what its value must be
     "parent_call_s": "object", "draft_step_s": "object", "prefill_token_s": "object", "agreement": "object",
     "tokens_per_cycle": "object", "draft_pair_s": "object", "fingerprint": "object", "measured_at": "string",
     "left_out": "array", "draft_call_s": "object", "deep_call_s": "object", "deep_pos": "number",
-    "import_s": "object",
+    "import_s": "object", "renderings": "object",
 }
 _TOL = 1e-3  # the stored run lengths are rounded to 4 decimals
 
@@ -563,6 +607,7 @@ def entry_problem(entry) -> Optional[str]:
 def _check_entry(entry) -> None:
     if not isinstance(entry, dict):
         raise ValueError(f"a JSON {_json_type(entry)}, not an object")
+    entry = {"renderings": {}, **entry}  # a family of one rendering compares none
     missing = [k for k in FIELDS if k not in entry]
     if missing:
         raise ValueError(f"{', '.join(missing)} missing")
@@ -607,6 +652,23 @@ def _check_entry(entry) -> None:
     if entry["deep_call_s"] and not deep_pos:
         raise ValueError("deep_call_s holds timings but deep_pos is 0 (not measured)")
     _check_curves(entry, "import_s", range(1, max(PREFILL_TOKENS, deep_pos) + 1))
+    _check_renderings(entry["renderings"])
+
+
+def _check_renderings(d: dict) -> None:
+    """renderings: f16/bf16 -> {"prefill_token_s": seconds, "call_s": {size in RENDERING_SIZES: seconds}}."""
+    from specquant_cli.family.roles import RENDERINGS
+
+    for r, t in d.items():
+        if r not in RENDERINGS:
+            raise ValueError(f"renderings names {r[:40]!r}, not one of {', '.join(RENDERINGS)}")
+        if not isinstance(t, dict) or set(t) != {"prefill_token_s", "call_s"} or not isinstance(t["call_s"], dict):
+            raise ValueError(f"renderings[{r}] is not an object of prefill_token_s and call_s")
+        _seconds(t["prefill_token_s"], f"renderings[{r}] prefill_token_s")
+        for k, v in t["call_s"].items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 3 and int(k) in RENDERING_SIZES):
+                raise ValueError(f"renderings[{r}] has the call size {k[:20]!r}, not one of {_span(RENDERING_SIZES)}")
+            _seconds(v, f"renderings[{r}] call_s[{k}]")
 
 
 def _check_deep_pos(v) -> int:
