@@ -216,7 +216,7 @@ def test_parent_answer_equals_the_cli_and_the_conversation_goes_on(page, page_se
     assert page.policies() == (["auto", "parent", "spec-q4"], "auto")
     assert page.ask(PROMPT, "parent") == expected
     assert {source for _, source in page.spans()} == {"parent"}
-    assert "f16 alone" in page.el("stat-plan").text
+    assert "parent alone" in page.el("stat-plan").text
     assert page.el("stat-tier").text.split()[0] in ("low", "medium", "high")
     assert re.fullmatch(r"[\d.]+|not calibrated", page.el("stat-parent").text)
     # The second turn is asked with the first in its context (the server applies the chat template).
@@ -235,7 +235,7 @@ def test_spec_q4_answer_shows_accepted_drafts_that_add_up_to_the_parent_answer(p
     assert "".join(text for text, _ in spans) == expected
     assert any(source == "draft" and text for text, source in spans), spans
     assert {source for _, source in spans} <= {"draft", "parent"}
-    assert page.el("stat-plan").text == "spec-q4: q4 drafts, f16 verifies"
+    assert page.el("stat-plan").text == "spec-q4: q4 drafts, parent verifies"
     assert re.fullmatch(r"\d+ %", page.el("stat-acceptance").text)
     assert re.fullmatch(r"[\d.]+", page.el("stat-tps").text) and page.el("stat-tokens").text.isdigit()
     SCREENSHOT.parent.mkdir(exist_ok=True)

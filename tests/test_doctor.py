@@ -107,14 +107,14 @@ def test_doctor_real_machine_reports_cpu_placement(family_dir):
     usable = bool(gpus) and hw["gpu_offload"]
     modes = {p["mode"] for p in rep["placements"].values()}
     assert modes == {"cpu"} if not usable else "cpu" not in modes or len(modes) > 1
-    assert set(rep["placements"]) >= {"f16+q4", "f16+q8", "f16"}
+    assert set(rep["placements"]) >= {"parent+q4", "parent+q8", "parent"}
     assert all(p["fits_ram"] for p in rep["placements"].values())
 
 
 def test_doctor_human_form_goes_to_stderr(family_dir):
     r = run_cli(["doctor", "--family", str(family_dir)])
     assert r.exit_code == 0 and r.stdout == ""
-    assert "placement for smollm2-135m" in r.stderr and "f16+q4" in r.stderr
+    assert "placement for smollm2-135m" in r.stderr and "parent+q4" in r.stderr
 
 
 def test_doctor_missing_family_is_one_line():
@@ -126,12 +126,12 @@ def test_require_fit_places_parent_and_draft_together(family):
     from specquant_cli.errors import ResourceError
     from specquant_cli.system.placement import require_fit
 
-    pl = require_fit(facts(free_vram=20 * GiB), family, ["f16", "q4"], 4096)
-    assert pl.mode == "gpu" and pl.gpu_layers == {"f16": -1, "q4": -1}
-    pl = require_fit(facts(), family, ["f16", "q4", "q8"], 4096)
-    assert pl.mode == "cpu" and pl.gpu_layers["f16"] == 0
+    pl = require_fit(facts(free_vram=20 * GiB), family, ["parent", "q4"], 4096)
+    assert pl.mode == "gpu" and pl.gpu_layers == {"parent": -1, "q4": -1}
+    pl = require_fit(facts(), family, ["parent", "q4", "q8"], 4096)
+    assert pl.mode == "cpu" and pl.gpu_layers["parent"] == 0
     with pytest.raises(ResourceError, match="GiB available"):
-        require_fit(facts(ram=GiB // 4), family, ["f16", "q4"], 4096)
+        require_fit(facts(ram=GiB // 4), family, ["parent", "q4"], 4096)
 
 
 def test_a_role_named_before_f16_is_never_placed_as_the_parent(family, tmp_path):
@@ -144,8 +144,8 @@ def test_a_role_named_before_f16_is_never_placed_as_the_parent(family, tmp_path)
     m = json.loads((family.root / "manifest.json").read_text())
     m["variants"]["d35"] = dict(m["variants"]["q4"])
     fam = Family(family.root, m)  # the same files, one more role record (nothing written)
-    parent_only = placement.need(fam, "f16", 4096).total + placement.VRAM_RESERVE + GiB // 16  # not both
-    for roles in (["d35", "f16"], ["f16", "d35"]):
+    parent_only = placement.need(fam, "parent", 4096).total + placement.VRAM_RESERVE + GiB // 16  # not both
+    for roles in (["d35", "parent"], ["parent", "d35"]):
         pl = require_fit(facts(free_vram=parent_only), fam, roles, 4096)
-        assert pl.mode == "hybrid" and pl.gpu_layers == {"f16": -1, "d35": 0}, (roles, pl)
-    assert all_roles(["parent", "spec-q4", "spec-q8"])[0] == "f16"
+        assert pl.mode == "hybrid" and pl.gpu_layers == {"parent": -1, "d35": 0}, (roles, pl)
+    assert all_roles(["parent", "spec-q4", "spec-q8"])[0] == "parent"

@@ -36,6 +36,7 @@ PROMPTS = [
     "Write a short thank-you note to a teacher.",
 ]
 MAX_NEW = 32
+NEAR_TIE = 0.01  # the F16 parent's batched logits differ from its one-token ones by up to ~0.007 (README)
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +72,32 @@ def test_parent_engine_matches_llama_cpp_python_greedy(models, prompts, parent_o
 @pytest.mark.parametrize("drafter", ["q4", "q8", "ngram"])
 @pytest.mark.parametrize("gamma", [1, 3, 8])
 def test_greedy_speculative_is_token_identical(ctxs, prompts, parent_outputs, drafter, gamma):
+    """The parent's answers (assert_parent_answers: on these weights one of 22 prompts parts at a margin of 0.0008)."""
     d = NGramDrafter() if drafter == "ngram" else ModelDrafter(ctxs[drafter], drafter)
     eng = Engine(ctxs["f16"], d, FixedGamma(gamma))
-    drafted = 0
-    for p, want in zip(prompts, parent_outputs):
+    assert assert_parent_answers(eng, ctxs["f16"], prompts, parent_outputs) > 0
+
+
+def assert_parent_answers(eng, parent, prompts, wants) -> int:
+    """Each answer the parent's own, token for token, except where a verify batch's last-digit noise parts a
+    near-tie (the parent's own top two within NEAR_TIE where the texts part: bench.fidelity.classify), on at most
+    one prompt in ten. Returns the tokens drafted."""
+    from specquant_cli.bench import fidelity
+
+    verdicts, drafted = [], 0
+    for p, want in zip(prompts, wants):
         got = generate_text(eng, p, MAX_NEW)[1]
-        assert got == want
         drafted += eng.stats.drafted
-    assert drafted > 0
+        verdicts.append(fidelity.classify(parent, p, want, got, NEAR_TIE)["verdict"] if got != want
+                        else fidelity.IDENTICAL)
+    assert set(verdicts) <= {fidelity.IDENTICAL, fidelity.NEAR_TIE}, verdicts
+    assert verdicts.count(fidelity.NEAR_TIE) <= max(1, len(prompts) // 10), verdicts
+    return drafted
 
 
 def test_adaptive_and_confidence_stop_are_token_identical(ctxs, prompts, parent_outputs):
     eng = Engine(ctxs["f16"], ModelDrafter(ctxs["q4"], "q4", p_min=0.4), AdaptiveGamma())
-    for p, want in list(zip(prompts, parent_outputs))[:8]:
-        assert generate_text(eng, p, MAX_NEW)[1] == want
+    assert_parent_answers(eng, ctxs["f16"], prompts[:8], parent_outputs[:8])
 
 
 def test_draft_equal_to_parent_accepts_everything(models, prompts):

@@ -131,7 +131,7 @@ def test_imatrix_and_graded_variants_are_roles_that_load(fam):
 
     root, manifest = fam
     f = Family.load(root)
-    assert {"q4", "q8", "f16", "q4i", "q3g"} <= set(f.roles())
+    assert {"q4", "q8", "parent", "q4i", "q3g"} <= set(f.roles())
     assert f.verify(hashes=False) == []
     q4i, q3g = f.variant("q4i"), f.variant("q3g")
     assert q4i["type"] == "q4_0+imatrix" and q4i["imatrix"]["sha256"] == manifest["imatrix"]["sha256"]
@@ -175,7 +175,7 @@ def test_spec_policies_over_new_roles_are_greedy_identical_to_parent(fam):
     r = run_cli(["chat", "--family", str(root), "--policy", "spec-q3g", "--max-tokens", "24", "--json", PROMPT])
     assert r.exit_code == 0, r.stderr
     rec = json.loads(r.stdout.strip().splitlines()[-1])
-    assert rec["stats"]["drafted"] > 0 and rec["route"]["plan"] == "q3g drafts, f16 verifies"
+    assert rec["stats"]["drafted"] > 0 and rec["route"]["plan"] == "q3g drafts, parent verifies"
     assert texts["spec-q4i"] == texts["parent"] and rec["text"] == texts["parent"]
 
 
@@ -229,7 +229,7 @@ def test_a_custom_graded_role_drafts_through_its_spec_policy(fam):
     r = run_cli(args + ["--policy", "spec-mine"])
     assert r.exit_code == 0, r.stderr
     rec = json.loads(r.stdout.strip().splitlines()[-1])
-    assert rec["route"]["plan"] == "mine drafts, f16 verifies" and rec["stats"]["drafted"] > 0
+    assert rec["route"]["plan"] == "mine drafts, parent verifies" and rec["stats"]["drafted"] > 0
     assert rec["text"] == parent["text"]
     r = run_cli(["chat", "--family", str(root), "--policy", "spec-absent", "hi"])
     assert r.exit_code != 0 and "Traceback" not in r.stderr

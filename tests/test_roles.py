@@ -11,7 +11,8 @@ from specquant_cli.family import roles
 
 def test_parent_first_whatever_the_names():
     assert roles.ordered(["d35", "q8", "x", "f16", "q4", "d35"]) == ["f16", "q4", "q8", "d35", "x"]
-    assert roles.draft_roles(["a1", "f16", "q4"]) == ["q4", "a1"]
+    assert roles.ordered(["q4", "bf16", "parent", "f16"]) == ["parent", "f16", "bf16", "q4"]
+    assert roles.draft_roles(["a1", "f16", "q4", "bf16", "parent"]) == ["q4", "a1"]
     assert roles.builtin_draft_roles()[:2] == roles.STANDARD_DRAFTS
 
 
@@ -25,7 +26,7 @@ def test_recipe_roles_come_from_the_recipe_table():
         assert DRAFTERS[r].roles == (r,) and f"suffix+{r}" in DRAFTERS and POLICIES[f"spec-{r}"].drafter == r
 
 
-@pytest.mark.parametrize("bad", ["", "Q9", "9a", "q4", "f16", "bf16", "q4_0", "a-b", "x" * 33])
+@pytest.mark.parametrize("bad", ["", "Q9", "9a", "q4", "f16", "bf16", "parent", "q4_0", "a-b", "x" * 33])
 def test_a_new_role_name_is_checked(bad):
     with pytest.raises(InputError, match="--role"):
         roles.check_role(bad)
@@ -53,12 +54,12 @@ def test_a_new_draft_role_is_one_manifest_row(d35_family):
     from specquant_cli.runtime import Runtime
 
     assert "d35" not in DRAFTERS
-    assert d35_family.roles()[0] == "f16"
+    assert d35_family.roles()[0] == "parent"
     rt = Runtime.open(d35_family)
     try:
         assert "d35" in rt.pool.draft_roles and DRAFTERS["d35"].roles == ("d35",) and "suffix+d35" in DRAFTERS
-        assert plan_for("spec-d35", "low").roles == ["f16", "d35"]
-        assert all_roles(["spec-d35", "parent"]) == ["f16", "d35"]
+        assert plan_for("spec-d35", "low").roles == ["parent", "d35"]
+        assert all_roles(["spec-d35", "parent"]) == ["parent", "d35"]
     finally:
         rt.close()
 

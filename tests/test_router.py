@@ -90,13 +90,13 @@ def test_route_command_json(family_dir):
     d = json.loads(r.stdout)
     assert d["tier"] == "high" and set(d["features"]) >= {"tokens", "max_depth", "mean_depth", "clauses",
                                                          "entity_density"}
-    assert d["plan"]["description"] == "f16 alone"
+    assert d["plan"]["description"] == "parent alone"
 
 
 def test_route_command_human_form_is_on_stderr(family_dir):
     r = run_cli(["route", SHORT, "--family", str(family_dir), "--policy", "paper"])
     assert r.exit_code == 0 and r.stdout == "" and "route: low (score" in r.stderr
-    assert "q4 drafts, f16 verifies" in r.stderr
+    assert "q4 drafts, parent verifies" in r.stderr
 
 
 def test_missing_pipeline_is_one_line(monkeypatch):

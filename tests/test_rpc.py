@@ -86,13 +86,21 @@ def workers():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["parent", "spec-q4", "auto"])
-def test_greedy_output_through_workers_is_identical(family_dir, workers, policy):
+def test_greedy_output_through_workers_is_identical(family_dir, workers, policy, parent_judge):
+    """The same answer through the workers as here; `auto` plans from each place's own calibration (the workers'
+    parent is calibrated per worker set), so its batch shapes may differ and its answers part only at a proven
+    near-tie: each is then the parent's own or such a near-tie (parent_judge)."""
     args = ["chat", "--family", str(family_dir), "--policy", policy, "--max-tokens", "24", PROMPT]
     local = cli(*args)
     remote = cli(*args, "--rpc", workers)
     assert local.returncode == 0, local.stderr
     assert remote.returncode == 0, remote.stderr
-    assert remote.stdout == local.stdout and local.stdout.strip()
+    assert local.stdout.strip()
+    if policy == "auto" and remote.stdout != local.stdout:
+        for out in (local, remote):
+            assert parent_judge(PROMPT, out.stdout.rstrip("\n"), 24) in ("identical", "near-tie"), out.stdout
+    else:
+        assert remote.stdout == local.stdout
 
 
 @pytest.mark.slow

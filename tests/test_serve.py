@@ -132,7 +132,7 @@ def test_models_lists_the_family_its_roles_and_policies(server):
     [m] = models.data
     assert m.id == "smollm2-135m" and m.object == "model"
     extra = m.model_extra["specquant"]
-    assert set(extra["roles"]) == {"q4", "q8", "f16"} and sorted(extra["loaded"]) == ["f16", "q4", "q8"]
+    assert set(extra["roles"]) == {"q4", "q8", "parent"} and sorted(extra["loaded"]) == ["parent", "q4", "q8"]
     assert "paper" in extra["policies"] and "parent" in extra["policies"] and extra["default_policy"] == DEFAULT_POLICY
     assert server.client().models.retrieve("smollm2-135m").id == "smollm2-135m"
     with pytest.raises(openai.NotFoundError):
@@ -197,7 +197,7 @@ def test_policy_from_header_or_body(server):
     by_header = client.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0,
                                                extra_headers={"x-specquant-policy": "spec-q4"})
     assert by_header.model_extra["specquant"]["policy"] == "spec-q4"
-    assert by_header.model_extra["specquant"]["plan"] == "q4 drafts, f16 verifies"
+    assert by_header.model_extra["specquant"]["plan"] == "q4 drafts, parent verifies"
     by_body = client.chat.completions.create(model="m", messages=msgs, max_tokens=4, temperature=0,
                                              extra_headers={"x-specquant-policy": "spec-q4"},
                                              extra_body={"specquant_policy": "ngram"})

@@ -56,7 +56,7 @@ def test_serve_sizes_its_contexts_for_the_sequences_it_runs(family_dir, tmp_path
         assert h["parallel"] == want
         assert f"{want} at once ({why}" in s.log()
         # the KV memory reserved is what runs: --ctx positions for each of the N sequences, in the one model loaded
-        assert h["kv"] == {"f16": {"positions": CTX * want, "sequences": want}}
+        assert h["kv"] == {"parent": {"positions": CTX * want, "sequences": want}}
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
         for stream in (True, False):
             with pytest.raises(openai.BadRequestError) as e:
@@ -76,7 +76,7 @@ def test_parallel_given_is_never_overridden(family_dir, tmp_path):
                    env={"SPECQUANT_CTX": "1024"})
     try:
         h = httpx.get(s.url + "/health", timeout=10).json()
-        assert h["parallel"] == 2 and h["kv"] == {"f16": {"positions": 2048, "sequences": 2}}
+        assert h["parallel"] == 2 and h["kv"] == {"parent": {"positions": 2048, "sequences": 2}}
         assert "2 at once (--parallel)" in s.log()
     finally:
         assert s.stop() == 0

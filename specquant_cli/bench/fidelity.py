@@ -167,10 +167,30 @@ def text_divergence(model, parent: Sequence[int], text: str) -> tuple[Optional[i
 def classify_text(ctx: Context, prompt: Sequence[int], parent: Sequence[int], text: str, bound: float) -> dict:
     """As `classify`, for an answer known only as text (what an HTTP client gets): where the text leaves the
     parent's answer, the answer's own token is taken to be whichever of the parent's top two it continues
-    with (the other one); a text that continues with neither is unexplained."""
-    k, rest = text_divergence(ctx.model, parent, text)
+    with (the other one); a text that continues with neither is unexplained. The text may have left the
+    parent's tokens a little before it leaves their text — a longer token that starts with the parent's (" travels"
+    where the parent wrote " travel", then " plans"): then the TEXT_LOOKBACK tokens before are tried too, the
+    latest one first, where the answer's token is one of the top two that the text goes on with."""
+    k, _ = text_divergence(ctx.model, parent, text)
     if k is None:
         return {"verdict": IDENTICAL}
+    raw, starts = text.encode("utf-8"), [0]
+    for t in parent[:k]:
+        starts.append(starts[-1] + len(ctx.model.piece(t)))
+    first = None
+    for j in range(k, max(-1, k - 1 - TEXT_LOOKBACK), -1):
+        verdict = _classify_at(ctx, prompt, parent, j, raw[starts[j]:], bound)
+        if verdict["verdict"] == NEAR_TIE:
+            return verdict
+        first = first or verdict
+    return first
+
+
+TEXT_LOOKBACK = 3  # tokens before the text's own divergence where the answer's token may have parted
+
+
+def _classify_at(ctx: Context, prompt: Sequence[int], parent: Sequence[int], k: int, rest: bytes,
+                 bound: float) -> dict:
     ours = parent[k] if k < len(parent) else None
     t1, t2, margin = top2(rescore(ctx, prompt, parent[:k]))
     other = next((t for t in (t1, t2) if t != ours and ctx.model.piece(t) and rest.startswith(ctx.model.piece(t))),

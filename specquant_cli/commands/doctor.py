@@ -114,11 +114,11 @@ def _rpc_report(endpoints: list[str], fam, n_ctx: int) -> Optional[dict]:
         parent = need(fam, PARENT_ROLE, n_ctx)
         shares = rpc.split_for(workers)
         layers = [round(parent.n_layers * s) for s in shares]
-        rep["plan"] = {"parent": PARENT_ROLE, "parent_bytes": parent.total,
+        rep["plan"] = {"parent": fam.parent_rendering, "parent_bytes": parent.total,
                        "layers": {w.endpoint: n for w, n in zip(workers, layers)},
                        "local": [r for r in fam.roles() if r != PARENT_ROLE]}
         try:
-            rpc.require_remote_fit(workers, parent.total, f"the parent ({PARENT_ROLE})")
+            rpc.require_remote_fit(workers, parent.total, f"the parent ({fam.parent_rendering})")
             rep["fits"] = True
         except ResourceError as e:
             rep["fits"], rep["problem"] = False, str(e)

@@ -125,7 +125,7 @@ class ModelPool:
             if PARENT_ROLE not in self._ctx:
                 self._workers = rpc.probe_all(self.rpc)
                 rpc.require_remote_fit(self._workers, need(self.family, PARENT_ROLE, self.n_ctx * self.parallel).total,
-                                       f"the parent ({PARENT_ROLE})")
+                                       f"the parent ({self.family.parent_rendering})")
             roles = [r for r in roles if r != PARENT_ROLE]
             if not roles:
                 return Placement("rpc")

@@ -206,8 +206,10 @@ class _Server(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             self._svc.bound_port = port
             shown = f"[{host}]" if ":" in host else host
-            self._say(f"specquant serve: listening on http://{shown}:{port} (family {self._svc.family.name}, "
-                      f"policy {self._svc.default_policy}, {self._opts.parallel} at once "
+            fam = self._svc.family
+            self._say(f"specquant serve: listening on http://{shown}:{port} (family {fam.name}, "
+                      f"parent {fam.parent_why or fam.parent_rendering}, policy {self._svc.default_policy}, "
+                      f"{self._opts.parallel} at once "
                       f"({self._opts.parallel_from}), "
                       f"queue {self._opts.max_queue}, "
                       f"{'API key required' if self._svc.api_key else 'no API key'})")
