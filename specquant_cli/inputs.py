@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from typing import Optional
+from urllib.parse import urlsplit
 
 from specquant_cli.errors import InputError
 
@@ -79,3 +80,23 @@ def read_prompt(args: Optional[Sequence[str]], allow_empty: bool = False) -> str
     if not text.strip() and not allow_empty:
         raise InputError("empty prompt: give PROMPT or pipe text on stdin")
     return text
+
+
+def normal_origin(origin: str) -> Optional[str]:
+    """'scheme://host[:port]' of an Origin value (lower case, http(s) default ports dropped), None when it is no
+    origin (`null`, a path, no host). Any scheme with a host is one: a browser extension's page
+    (`chrome-extension://ID`) or an app's webview can be allowed by name, not only with `*`."""
+    try:
+        parts = urlsplit(origin.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.scheme or not parts.hostname or parts.path not in ("", "/") or \
+            parts.query or parts.fragment or parts.username or parts.password:
+        return None
+    if parts.scheme not in ("http", "https"):
+        return f"{parts.scheme}://{parts.netloc.lower()}"
+    host = parts.hostname.lower()
+    host = f"[{host}]" if ":" in host else host
+    default = {"http": 80, "https": 443}[parts.scheme]
+    return f"{parts.scheme}://{host}" + (f":{port}" if port not in (None, default) else "")

@@ -96,13 +96,40 @@ def _resolve(host: str) -> str:
         return host
 
 
+@dataclass(frozen=True)
+class PolicyTable:
+    """What the policy settings are declared and checked with: the default policy, the `--policy` help and the
+    check of a name (an InputError for an unknown one). The policy table (routing.policies) registers it when it
+    loads (`register_policy_table`); settings sit below it and import nothing of it. Until then a policy name is
+    checked for its form only (every command edge imports the table first: commands.options)."""
+
+    default: Optional[str]
+    help: Callable[[], str]
+    check: Callable[[str], str]
+
+
+def _form_only(name: str) -> str:
+    if not name or not name.isascii() or not all(c.isalnum() or c in "+-_" for c in name):
+        raise ValueError(f"unknown policy {name!r}")
+    return name
+
+
+_policy_table = PolicyTable(None, lambda: "Decoding policy", _form_only)
+
+
+def register_policy_table(table: PolicyTable) -> None:
+    """The policy table's names for the policy settings (routing.policies calls it once, when it loads)."""
+    global _policy_table
+    _policy_table = table
+    _settings.clear()  # declared again with the table's default and help
+
+
 def check_policy(name: str) -> str:
     from specquant_cli.errors import InputError
-    from specquant_cli.routing.policies import check_policy as known
 
     try:
-        return known(name)
-    except InputError as e:
+        return _policy_table.check(name)
+    except (InputError, ValueError) as e:
         raise SettingError(str(e)) from None
 
 
@@ -261,7 +288,7 @@ def _names(value: Any) -> list[str]:
 
 
 def _origins(value: Any) -> list[str]:
-    from specquant_cli.serving.security import normal_origin
+    from specquant_cli.inputs import normal_origin
 
     items = value if isinstance(value, list) else str(value).split(",")
     origins = list(dict.fromkeys(str(x).strip() for x in items if str(x).strip()))
@@ -274,12 +301,11 @@ def _origins(value: Any) -> list[str]:
 
 
 def _declare() -> dict[str, Setting]:
-    from specquant_cli.routing.policies import DEFAULT_POLICY, policy_help
-
+    policies = _policy_table
     items = [
         # decoding: what an answer is made with
-        Setting("decoding", "policy", str, DEFAULT_POLICY, policy_help(), "--policy", check=check_policy,
-                usage=False),
+        Setting("decoding", "policy", str, policies.default, policies.help(), "--policy", check=check_policy,
+                usage=False, optional=policies.default is None),
         Setting("decoding", "gamma", int, DEFAULT_GAMMA, "Draft length γ (fixed, or where an adaptive one starts)",
                 "--gamma", lo=1, hi=MAX_GAMMA_SETTING),
         Setting("decoding", "temperature", float, 0.0, "0 = greedy", "--temperature", lo=0.0),

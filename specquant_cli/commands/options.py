@@ -15,6 +15,7 @@ from typing import Optional
 import typer
 
 from specquant_cli.errors import InputError
+from specquant_cli.routing import policies as _policies  # noqa: F401  (registers the policy settings' names first)
 from specquant_cli.settings import CONFIG_NAME, Setting, SettingError, Settings, resolve, settings_table
 
 ConfigOpt = typer.Option(None, "--config", help=f"Settings and router config (TOML: [decoding], [runtime], "

@@ -18,6 +18,7 @@ from specquant_cli.errors import InputError
 from specquant_cli.family.roles import PARENT_ROLE, RENDERINGS, STANDARD_DRAFTS, is_role_name
 from specquant_cli.names import TIERS, Tier
 from specquant_cli.routing.plan import GammaPolicyKind, Plan, PlanContext, Planner
+from specquant_cli.settings import PolicyTable, register_policy_table
 
 
 @dataclass(frozen=True)
@@ -178,3 +179,8 @@ def markdown_table() -> str:
     rows.append("| `spec-<role>` | any other draft role of the family (one made by `quantize --grade BPW --role NAME`) "
                 "drafts, the parent verifies | = parent |")
     return "\n".join(rows)
+
+
+# The policy settings (--policy, --policies) are declared and checked with this table's names: settings sit below
+# it, so it hands them over here.
+register_policy_table(PolicyTable(DEFAULT_POLICY, policy_help, check_policy))

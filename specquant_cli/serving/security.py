@@ -19,7 +19,8 @@ import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional
-from urllib.parse import urlsplit
+
+from specquant_cli.inputs import normal_origin  # noqa: F401  (named here too: the origin policy's normal form)
 
 ANY = "*"
 CORS_METHODS = "GET, POST, OPTIONS"
@@ -49,26 +50,6 @@ def host_name(header: str) -> Optional[str]:
     if port and not (port.isascii() and port.isdigit()):
         return None
     return name.rstrip(".") or None
-
-
-def normal_origin(origin: str) -> Optional[str]:
-    """'scheme://host[:port]' of an Origin value (lower case, http(s) default ports dropped), None when it is no
-    origin (`null`, a path, no host). Any scheme with a host is one: a browser extension's page
-    (`chrome-extension://ID`) or an app's webview can be allowed by name, not only with `*`."""
-    try:
-        parts = urlsplit(origin.strip())
-        port = parts.port
-    except ValueError:
-        return None
-    if not parts.scheme or not parts.hostname or parts.path not in ("", "/") or \
-            parts.query or parts.fragment or parts.username or parts.password:
-        return None
-    if parts.scheme not in ("http", "https"):
-        return f"{parts.scheme}://{parts.netloc.lower()}"
-    host = parts.hostname.lower()
-    host = f"[{host}]" if ":" in host else host
-    default = {"http": 80, "https": 443}[parts.scheme]
-    return f"{parts.scheme}://{host}" + (f":{port}" if port not in (None, default) else "")
 
 
 @dataclass(frozen=True)
