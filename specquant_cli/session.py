@@ -53,15 +53,16 @@ def load_family(path: Optional[Path], warn=None):
         raise
 
 
-def bind_parent(fam: Family, settings: SessionSettings):
-    """The family with the parent's rendering this session runs decided (system.renderings.decide: as asked, the
-    family's only one, or this machine's faster), and that choice; a family already bound is kept as it is."""
-    from specquant_cli.system.renderings import ParentChoice, decide
+def bind_parent(fam: Family, settings: SessionSettings) -> Family:
+    """The family with the parent's rendering this session runs decided and bound, with its reason
+    (system.renderings.decide: as asked, the family's only one, or this machine's faster); a family already
+    bound is kept as it is."""
+    from specquant_cli.system.renderings import decide
 
     if fam.parent is not None:
-        return fam, ParentChoice(fam.parent, fam.parent_why or f"{fam.parent}, as given", "flag")
+        return fam
     choice = decide(fam, settings.parent, settings.facts, settings.threads, settings.rpc)
-    return fam.bind(choice.rendering, choice.why), choice
+    return fam.bind(choice.rendering, choice.why)
 
 
 def ctx_warning(fam, n_ctx: int) -> Optional[str]:
@@ -91,7 +92,7 @@ def open_session(settings: SessionSettings, family=None, report: Reporter = SILE
     `session.runtime`."""
     router_config = load_config(settings.router_config)
     fam = family if family is not None else load_family(settings.family, report.warn)
-    fam, choice = bind_parent(fam, settings)
+    fam = bind_parent(fam, settings)
     policy = check_policy(settings.policy or DEFAULT_POLICY, fam.roles())
     warning = ctx_warning(fam, settings.n_ctx)
     if warn_ctx and warning:
@@ -100,7 +101,6 @@ def open_session(settings: SessionSettings, family=None, report: Reporter = SILE
                            facts=settings.facts, rpc=settings.rpc, parallel=settings.parallel, report=report,
                            mmap=settings.mmap, rpc_timeout=settings.rpc_timeout, draft_memory=settings.draft_memory,
                            host_reserve=int(settings.cache_ram * (1 << 20)))
-    runtime.parent_choice = choice
     router = Router(router_config, runtime.count_tokens, max_tokens=settings.n_ctx)
     return ChatSession(runtime, router, policy, settings.sampling or SamplingParams(), settings.max_tokens,
                        settings.system, settings.stop)

@@ -26,16 +26,14 @@ def calibrate(
 
     settings = SessionSettings.of(cfg)
     fam, c = _measured(open_session(settings, report=stderr_reporter()).runtime, force)
-    if c.renderings and cfg.runtime.parent == "fastest":
-        best = min(c.renderings, key=lambda r: score(c.renderings[r]))
-        if best != fam.parent_rendering:  # the prior's pick measured slower: the faster one is calibrated too
-            err.print(f"parent: {best} measured faster ({describe(c.renderings)}); calibrating it", markup=False)
-            fam, c = _measured(open_session(settings, family=fam.bind(best, f"{best}, the faster here as "
-                                                                      f"calibrated ({describe(c.renderings)})"),
-                                            report=stderr_reporter()).runtime, force)
     why = fam.parent_why
     if c.renderings and cfg.runtime.parent == "fastest":
-        why = f"{fam.parent_rendering}, the faster here as calibrated ({describe(c.renderings)})"
+        best = min(c.renderings, key=lambda r: score(c.renderings[r]))
+        why = f"{best}, the faster here as calibrated ({describe(c.renderings)})"
+        if best != fam.parent_rendering:  # the prior's pick measured slower: the faster one is calibrated too
+            err.print(f"parent: {best} measured faster ({describe(c.renderings)}); calibrating it", markup=False)
+            fam, c = _measured(open_session(settings, family=fam.bind(best, why), report=stderr_reporter()).runtime,
+                               force)
     if json_out:
         out_json({**c.to_dict(), "parent": {"rendering": fam.parent_rendering, "why": why}})
         return

@@ -157,7 +157,7 @@ def _judge(family, cfg: Settings, results, max_tokens: int) -> dict:
     from specquant_cli.session import bind_parent
     from specquant_cli.settings import SessionSettings
 
-    family, _ = bind_parent(family, SessionSettings.of(cfg))  # judged against the parent as a server here serves it
+    family = bind_parent(family, SessionSettings.of(cfg))  # judged against the parent as a server here serves it
     runtime = Runtime.open(family, n_ctx=cfg.runtime.ctx, threads=cfg.runtime.threads, mmap=cfg.runtime.mmap,
                            report=stderr_reporter())
     try:

@@ -34,7 +34,7 @@ def serve(*, cfg: Settings) -> None:
     from specquant_cli.session import bind_parent
     from specquant_cli.settings import SessionSettings
 
-    family, _ = bind_parent(load_family(cfg.runtime.family), SessionSettings.of(cfg))  # said at start-up
+    family = bind_parent(load_family(cfg.runtime.family), SessionSettings.of(cfg))  # said at start-up
     report = stderr_reporter()
     cfg, opts = serve_settings(cfg, family, report=report)  # every value decided before a context is sized
     svc = build_service(family, cfg, opts, report=report)

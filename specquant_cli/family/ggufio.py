@@ -420,12 +420,6 @@ def dequantize_to_float(src: Path, dst: Path, provenance: str, rendering: str = 
     writer.close()
 
 
-def dequantize_to_f16(src: Path, dst: Path, provenance: str,
-                      progress: Optional[Callable[[int, int], None]] = None) -> None:
-    """`dequantize_to_float` as F16."""
-    dequantize_to_float(src, dst, provenance, "f16", progress)
-
-
 class NotExact(ModelFileError):
     """A BF16 file whose F16 rendering would round some weights (out of F16's range or below its precision)."""
 
@@ -455,9 +449,9 @@ def f16_of_bf16(src: Path, dst: Path, provenance: str,
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    total = len(plan)
+    total, done = sum(int(t.n_bytes) for t in plan), 0
     with np.errstate(over="ignore"):
-        for i, t in enumerate(plan):
+        for t in plan:
             if t.tensor_type == bf16:
                 values = bf16_values(np.asarray(t.data).reshape(-1).view(np.uint16))
                 half = values.astype(np.float16)
@@ -469,6 +463,7 @@ def f16_of_bf16(src: Path, dst: Path, provenance: str,
                 writer.write_tensor_data(half.reshape(tuple(int(x) for x in reversed(t.shape))))
             else:
                 writer.write_tensor_data(np.asarray(t.data))
+            done += int(t.n_bytes)
             if progress:
-                progress(i + 1, total)
+                progress(done, total)  # bytes of the source read, as the other steps report bytes
     writer.close()

@@ -38,7 +38,6 @@ class Runtime:
         self.costs = costs
         self.drafters = drafters
         self._planners: dict[tuple[str, int], Optional[Planner]] = {}
-        self.parent_choice = None  # system.renderings.ParentChoice: which rendering is the parent, and why
 
     @classmethod
     def open(cls, family: Family, n_ctx: int = 4096, gamma: int = DEFAULT_GAMMA, threads: Optional[int] = None,

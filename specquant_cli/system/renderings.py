@@ -5,7 +5,8 @@ same weights (`quantize` makes the F16 rendering of a BF16 base only when it is 
 speed, not what is said — except where the two formats' arithmetic parts a near-tie (README: "The parent's
 rendering"). On 2 cores every multi-token parent call is compute-bound; ggml multiplies BF16 weights with
 `vdpbf16ps` (32 multiply-adds an instruction) where the CPU has BF16 dot products, and widens F16 weights to
-F32 first (16): on the AMD EPYC (Zen 4) kind a BF16 parent prefilled in 9.5 ms/token against F16's 18.2.
+F32 first (16): on the AMD EPYC (Zen 4) kind the 1.5B family's BF16 parent prefilled in 5.3 ms/token against
+F16's 8.3 (`specquant calibrate`).
 
 `decide` is called once per session, before any model loads (session.open_session, serve's sizing, doctor):
 the rendering asked for (`--parent f16|bf16`), else the family's only one, else F16 on a CPU without BF16 dot
@@ -19,6 +20,7 @@ from typing import Optional
 
 from specquant_cli.errors import FamilyError, InputError
 from specquant_cli.family.manifest import Family
+from specquant_cli.system import calibration as cal
 
 # The build's CPU features (llama_print_system_info) that give ggml BF16 dot products, and the CPU flags that name them.
 BF16_FEATURES = {"AVX512_BF16": "avx512_bf16", "AMX_BF16": "amx_bf16", "ARM_BF16": "bf16"}
@@ -41,16 +43,15 @@ def bf16_dot(facts) -> Optional[str]:
     built = set((getattr(facts, "build", None) or {}).get("cpu_features", []))
     flags = getattr(facts, "cpu_flags", {}) or {}
     for feature, flag in BF16_FEATURES.items():
-        if feature in built and (flags.get(flag, True) if flag in flags else True):
+        if feature in built and flags.get(flag, True):  # a flag hardware.CPU_FLAGS does not read counts as there
             return flag
     return None
 
 
 def score(timings: dict) -> float:
-    """One rendering's cost in the comparison: a 64-token prefill plus one call of each measured size (the mix of
-    a prompt and its verify calls)."""
-    calls = timings.get("call_s", {})
-    return timings.get("prefill_token_s", 0.0) * 64 + sum(calls.values())
+    """One rendering's cost in the comparison: the measured prefill (PREFILL_TOKENS tokens) plus one call of each
+    measured size (the mix of a prompt and its verify calls)."""
+    return timings.get("prefill_token_s", 0.0) * cal.PREFILL_TOKENS + sum(timings.get("call_s", {}).values())
 
 
 def describe(comparison: dict) -> str:
@@ -101,8 +102,6 @@ def decide(family: Family, wanted: str = "fastest", facts=None, threads: Optiona
 def stored_comparison(family: Family, facts, threads: Optional[int], rpc: Optional[list[str]]) -> Optional[dict]:
     """The latest comparison of the family's renderings stored for this machine (in either rendering's entry), or
     None."""
-    from specquant_cli.system import calibration as cal
-
     best = None
     for r in family.renderings():
         c = cal.load(family.root, cal.fingerprint(facts, threads, rpc, parent=r))
