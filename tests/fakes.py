@@ -69,7 +69,7 @@ class ScriptedDrafter(DrafterBase):
         self.calls = 0
         self.outcomes = []
 
-    def propose(self, seq, n, sp=None, uniforms=None):
+    def propose(self, seq, n, sp=None, noise=None):
         self.calls += 1
         toks = self.proposals.pop(0) if self.proposals else []
         return Draft(list(toks[:n]))

@@ -85,10 +85,10 @@ def test_context_overflow_is_refused_before_decoding():
 
 def test_interrupt_ends_with_what_was_produced():
     class Interrupting(ScriptedDrafter):
-        def propose(self, seq, n, sp=None, uniforms=None):
+        def propose(self, seq, n, sp=None, noise=None):
             if self.calls == 2:
                 raise KeyboardInterrupt
-            return super().propose(seq, n, sp, uniforms)
+            return super().propose(seq, n, sp, noise)
 
     eng, ctx = make(Interrupting([[1, 2], [3, 4], [5]]), gamma=2)
     recs = list(stream_generate(eng, [0], 20))
@@ -133,9 +133,9 @@ def test_first_alone_gives_the_first_token_before_the_drafter_prepares_or_drafts
         def prepare(self, seq):
             self.events.append(("prepare", len(seq)))
 
-        def propose(self, seq, n, sp=None, uniforms=None):
+        def propose(self, seq, n, sp=None, noise=None):
             self.events.append(("propose", len(seq)))
-            return super().propose(seq, n, sp, uniforms)
+            return super().propose(seq, n, sp, noise)
 
     events: list = []
     ctx = FakeContext(FakeModel(V, EOG), counting, 512)

@@ -37,8 +37,8 @@ class SecondChoiceWhenSure(LinearVerifier):
     """Broken on purpose: once, where the parent leads by at least SURE logits, its next token becomes its
     second choice (the pair is the parent's top two, the margin is far outside the noise)."""
 
-    def __init__(self, sp=GREEDY, uniforms=None):
-        super().__init__(sp, uniforms or sp.uniforms())
+    def __init__(self, sp=GREEDY, noise=None):
+        super().__init__(sp, noise or sp.noise())
         self.broken = False
 
     def verify(self, parent, seq, draft):

@@ -576,30 +576,29 @@ def test_a_body_that_trickles_is_a_400_within_the_limit(server):
     assert head.split()[1] == b"400" and json.loads(rest)["error"]["code"] == "body_timeout"
 
 
-SAMPLED_NOISE = 1e-3  # probability mass: a sample this close to a token's edge may flip with the batch's shape
+SAMPLED_NOISE = 0.02  # log units: a sample whose perturbed score leads the next by less may flip with the batch's shape
 
 
 @pytest.fixture(scope="module")
 def parent_samples(models):
     """The parent's own seeded samples for the story prompt, one token a call, with each one's margin: how far its
-    position's number lies from the edge of the sampled token's probability interval."""
+    perturbed score (Gumbel-max) lies above the next candidate's."""
     import numpy as np
 
     from specquant_cli.backend.llama import Context
-    from specquant_cli.decoding.sampling import SamplingParams, Uniforms, probs
+    from specquant_cli.decoding.sampling import Noise, SamplingParams, probs, sample_margin
 
     m = models["f16"]
     ctx = Context(m, 1024, n_threads=1)
-    sp, u = SamplingParams(temperature=0.9, seed=1234), Uniforms(1234)
+    sp, noise = SamplingParams(temperature=0.9, seed=1234), Noise(1234)
     seq = m.chat_prompt([{"role": "user", "content": "Tell me a short story."}])
     ctx.sync(seq[:-1], logits="none")
     pieces, margins = [], []
     for _ in range(24):
         ctx.decode([seq[-1]], logits="last")
         p = probs(np.array(ctx.logits(-1)), sp)
-        cdf, x = np.cumsum(p), u.at(len(seq))
-        t = min(int(np.searchsorted(cdf, x, side="right")), len(p) - 1)
-        margins.append(min(x - (cdf[t] - p[t]), cdf[t] - x))
+        t, margin = sample_margin(p, noise.at(len(seq), p.shape[0]))
+        margins.append(margin)
         pieces.append(m.piece(t).decode("utf-8", "replace"))
         seq.append(t)
         if t in m.eog_ids:
@@ -609,8 +608,8 @@ def parent_samples(models):
 
 
 def sampled_verdict(text: str, parent_samples) -> str:
-    """identical: the parent's own samples; near-tie: they part where the parent's sample lay within
-    SAMPLED_NOISE of its token's edge (another batch shape's logits may put it on the other side); else unexplained."""
+    """identical: the parent's own samples; near-tie: they part where the parent's sample led the next candidate by
+    less than SAMPLED_NOISE (another batch shape's logits may put the other one ahead); else unexplained."""
     pieces, margins = parent_samples
     shown = ""
     for piece, margin in zip(pieces, margins):

@@ -153,12 +153,12 @@ def _chain(start: int, n: int) -> list[int]:
 def test_the_stacked_draft_is_the_models_own(memory):
     seq = [7, 11, 13]
     plain_ctx = FakeContext(FakeModel(V, eog=V - 1), _rule)
-    want = ModelDrafter(plain_ctx).propose(seq, 8, GREEDY, GREEDY.uniforms()).tokens
+    want = ModelDrafter(plain_ctx).propose(seq, 8, GREEDY, GREEDY.noise()).tokens
     chain = _chain(13, 10)
     wrong = [(t + 1) % V for t in chain[2:]]  # the same context, then other tokens than the model picks
     remembered = {"agrees": [1, 2, *chain], "disagrees": [1, 11, *chain[:2], *wrong], "empty": None}
     d, ctx = _stacked(remembered[memory])
-    got = d.propose(seq, 8, GREEDY, GREEDY.uniforms()).tokens
+    got = d.propose(seq, 8, GREEDY, GREEDY.noise()).tokens
     assert got == want
     assert ctx.tokens == seq + got[:len(ctx.tokens) - len(seq)]  # the cache holds what it says, no more
     c = d.counters
@@ -180,20 +180,20 @@ def test_a_sampled_stacked_draft_is_the_models_own_sample():
         row[(tokens[-1] * 7 + 1) % V] = 1.5
         return row
 
-    want = ModelDrafter(FakeContext(FakeModel(V, eog=V - 1), soft)).propose(seq, 6, sp, sp.uniforms()).tokens
+    want = ModelDrafter(FakeContext(FakeModel(V, eog=V - 1), soft)).propose(seq, 6, sp, sp.noise()).tokens
     mem = DraftMemory()
     Recorder(mem).start([1, 2, *_chain(13, 10)])
     d = ModelDrafter(FakeContext(FakeModel(V, eog=V - 1), soft),
                      lower=SuffixDrafter(7, verify_cost=flat, memory=mem, record=False))
-    assert d.propose(seq, 6, sp, sp.uniforms()).tokens == want
+    assert d.propose(seq, 6, sp, sp.noise()).tokens == want
 
 
 def test_the_next_draft_continues_from_a_consistent_cache():
     d, ctx = _stacked([1, 2, *_chain(13, 12)])
     seq = [7, 11, 13]
-    first = d.propose(seq, 4, GREEDY, GREEDY.uniforms()).tokens
+    first = d.propose(seq, 4, GREEDY, GREEDY.noise()).tokens
     seq2 = seq + first[:2] + [60]  # the parent kept two and said 60
-    second = d.propose(seq2, 4, GREEDY, GREEDY.uniforms()).tokens
+    second = d.propose(seq2, 4, GREEDY, GREEDY.noise()).tokens
     assert second == _chain((60 * 5 + 3) % V, 4)
     assert ctx.tokens[:len(seq2)] == seq2
 

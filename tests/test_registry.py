@@ -23,7 +23,7 @@ class RepeatDrafter(DrafterBase):
     def __init__(self):
         self.proposals = 0
 
-    def propose(self, seq, n, sp=None, uniforms=None):
+    def propose(self, seq, n, sp=None, noise=None):
         self.proposals += 1
         return Draft([seq[-1]] * n)
 

@@ -6,7 +6,7 @@ import pytest
 from specquant_cli.decoding.drafters import NGramDrafter
 from specquant_cli.decoding.engine import Engine
 from specquant_cli.decoding.gamma import FixedGamma
-from specquant_cli.decoding.sampling import SamplingParams, Uniforms, coupled_verify, probs, sample
+from specquant_cli.decoding.sampling import Noise, SamplingParams, coupled_verify, probs, sample
 
 from fakes import FakeContext, FakeModel
 
@@ -31,8 +31,8 @@ def sampled_first_tokens(verify, n=20000, seed=0):
     q = probs(Q_LOGITS, sp)
     counts = np.zeros(5)
     for s in range(n):
-        u = Uniforms(seed * n + s)
-        d = sample(q, u.at(0))  # the draft samples its token with the parent's number (coupled)
+        u = Noise(seed * n + s)
+        d = sample(q, u.at(0, q.shape[0]))  # the draft samples its token with the parent's noise (coupled)
         k, nxt = verify(lambda j: p, [d], u.at)
         counts[d if k == 1 else nxt] += 1
     return counts, p
@@ -45,7 +45,8 @@ def test_coupled_sampling_matches_parent_distribution():
 
 def test_fidelity_test_catches_a_wrong_rule():
     def keep_every_draft(p_rows, draft, u):  # a broken verifier: whatever the draft says
-        return len(draft), sample(p_rows(len(draft)), u(len(draft)))
+        p = p_rows(len(draft))
+        return len(draft), sample(p, u(len(draft), p.shape[0]))
 
     counts, p = sampled_first_tokens(keep_every_draft)
     assert chi2_stat(counts, p) > 18.47
@@ -57,8 +58,8 @@ def test_a_coupled_draft_is_kept_as_often_as_it_agrees_with_the_parent():
     counts, p = np.zeros(2), probs(P_LOGITS, SamplingParams(temperature=1.0))
     q = probs(Q_LOGITS, SamplingParams(temperature=1.0))
     for s in range(5000):
-        u = Uniforms(s)
-        k, _ = coupled_verify(lambda j: p, [sample(q, u.at(0))], u.at)
+        u = Noise(s)
+        k, _ = coupled_verify(lambda j: p, [sample(q, u.at(0, q.shape[0]))], u.at)
         counts[k] += 1
     assert counts[1] / counts.sum() > float((p * q).sum()) + 0.05
 

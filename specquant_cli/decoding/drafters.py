@@ -13,7 +13,7 @@ import numpy as np
 
 from specquant_cli.decoding.memory import MAX_EXTEND
 from specquant_cli.decoding.protocols import CycleOutcome, Draft, Prepared, TokenContext
-from specquant_cli.decoding.sampling import SamplingParams, Uniforms, greedy_token, probs, sample
+from specquant_cli.decoding.sampling import Noise, SamplingParams, greedy_token, probs, sample
 
 # A model drafter imports the parent's KV cache instead of decoding when it lacks more than this many
 # prompt tokens: an import costs about as much as decoding a handful of tokens (709 tokens: 87 ms).
@@ -52,7 +52,7 @@ class NGramDrafter(DrafterBase):
         self.sizes = sorted(set(int(n) for n in ngram_sizes), reverse=True)
         self.min_tokens = min_tokens
 
-    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams = None, uniforms=None) -> Draft:
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams = None, noise=None) -> Draft:
         if n <= 0:
             return Draft()
         arr = np.asarray(seq, dtype=np.int64)
@@ -83,7 +83,7 @@ class ModelDrafter(DrafterBase):
     With `lower` (a suffix drafter reading the drafting memory), a second drafting level speculates the
     model's own steps: after each token the model picks, `lower` proposes what follows, the model scores the
     token and the proposals in one call and keeps the proposals as long as they are what it would have picked
-    itself (its greedy choice, or its sample with the parent's number for that position). The draft is the
+    itself (its greedy choice, or its sample with the parent's noise for that position). The draft is the
     model's own either way, token for token: only its cost changes, from one call per token to one call per
     run the lower level got right. `lower` sizes its proposals from the model's batch cost curve and the
     acceptance it measures at this level (its feedback)."""
@@ -136,7 +136,7 @@ class ModelDrafter(DrafterBase):
         self.import_ok = ok
         return ok
 
-    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, uniforms: Uniforms) -> Draft:
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, noise: Noise) -> Draft:
         if n <= 0:
             return Draft()
         if self.start >= len(seq):  # a new, shorter sequence without prepare()
@@ -147,18 +147,18 @@ class ModelDrafter(DrafterBase):
         out: list[int] = []
         row = -1  # the logits row that predicts the next token
         while len(out) < n:
-            t = self._pick(self.ctx.logits(row), sp, uniforms, len(seq) + len(out))
+            t = self._pick(self.ctx.logits(row), sp, noise, len(seq) + len(out))
             if t is None:
                 break
             out.append(t)
             if t in self.stop_ids or len(out) == n:
                 break  # the last drafted token is decoded lazily, by the next sync, only if it is kept
-            row = self._step(seq, out, n, sp, uniforms)
+            row = self._step(seq, out, n, sp, noise)
             if row is None:
                 break
         return Draft(out)
 
-    def _step(self, seq, out: list[int], n: int, sp, uniforms) -> Optional[int]:
+    def _step(self, seq, out: list[int], n: int, sp, noise) -> Optional[int]:
         """Decode out[-1], with the lower level's proposals after it when there is one; append those the model
         agrees with to `out`. Returns the row predicting the next token, or None when the draft ends here."""
         props = self._proposals(seq, out, n - len(out))
@@ -167,7 +167,7 @@ class ModelDrafter(DrafterBase):
             return 0
         kept, end = 0, False
         for j, p in enumerate(props):
-            t = self._pick(self.ctx.logits(j), sp, uniforms, len(seq) + len(out))
+            t = self._pick(self.ctx.logits(j), sp, noise, len(seq) + len(out))
             if t != p:
                 end = t is None
                 break
@@ -199,8 +199,8 @@ class ModelDrafter(DrafterBase):
         self._counts["model_calls"] += 1
         self._counts["model_s"] += time.perf_counter() - t0
 
-    def _pick(self, row: np.ndarray, sp: SamplingParams, uniforms: Uniforms, pos: int) -> Optional[int]:
-        """The model's token at `pos` from its logits `row` (greedy, or sampled with the parent's number for
+    def _pick(self, row: np.ndarray, sp: SamplingParams, noise: Noise, pos: int) -> Optional[int]:
+        """The model's token at `pos` from its logits `row` (greedy, or sampled with the parent's noise for
         that position: coupled), None below `p_min`."""
         if sp.greedy:
             t = greedy_token(row)
@@ -208,7 +208,7 @@ class ModelDrafter(DrafterBase):
         q = probs(row, sp)
         if self.p_min is not None and float(q.max()) < self.p_min:
             return None
-        return sample(q, uniforms.at(pos))
+        return sample(q, noise.at(pos, q.shape[0]))
 
 
 def _top_prob(row: np.ndarray, top: int) -> float:
@@ -247,8 +247,8 @@ class FallbackDrafter(DrafterBase):
         self.first.prepare(seq)
         return self.then.prepare(seq) if self._active else None
 
-    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, uniforms: Uniforms) -> Draft:
-        d = self.first.propose(seq, n, sp, uniforms)
+    def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, noise: Noise) -> Draft:
+        d = self.first.propose(seq, n, sp, noise)
         self._last = "first"
         if len(d.tokens) >= min(self.min_tokens, n) or len(seq) - self._prompt_len < self.activate_after:
             return d
@@ -259,7 +259,7 @@ class FallbackDrafter(DrafterBase):
         if not self._active:
             self.then.prepare(seq)
             self._active = True
-        return self.then.propose(seq, g, sp, uniforms)
+        return self.then.propose(seq, g, sp, noise)
 
     @property
     def counters(self) -> dict[str, float]:

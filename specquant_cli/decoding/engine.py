@@ -65,8 +65,8 @@ class Engine:
         self.drafter = drafter
         self.gamma_policy = gamma if gamma is not None else FixedGamma(DEFAULT_GAMMA if drafter else 0)
         self.sp = sampling
-        self.uniforms = sampling.uniforms()
-        self.verifier = verifier or LinearVerifier(sampling, self.uniforms)
+        self.noise = sampling.noise()
+        self.verifier = verifier or LinearVerifier(sampling, self.noise)
         self.stats = EngineStats()
         self.eog_ids = parent.model.eog_ids
 
@@ -143,7 +143,7 @@ class Engine:
         if g <= 0:
             return Draft(), 0.0, "parent"
         t0 = time.perf_counter()
-        draft = self.drafter.propose(seq, g, self.sp, self.uniforms)
+        draft = self.drafter.propose(seq, g, self.sp, self.noise)
         dt = time.perf_counter() - t0
         self.stats.draft_s += dt
         self.stats.drafted += len(draft.tokens)

@@ -91,9 +91,9 @@ class Drafter(Protocol):
 
     def prepare(self, seq: Sequence[int]) -> Optional[Prepared]: ...
 
-    def propose(self, seq: Sequence[int], n: int, sp, uniforms) -> Draft:
+    def propose(self, seq: Sequence[int], n: int, sp, noise) -> Draft:
         """Up to n tokens after `seq`. A drafter that samples (sp not greedy) draws its i-th token with
-        `uniforms.at(len(seq) + i)` (decoding.sampling.Uniforms), the number the parent samples that position
+        `noise.at(len(seq) + i, n_vocab)` (decoding.sampling.Noise), the noise the parent samples that position
         with."""
         ...
 

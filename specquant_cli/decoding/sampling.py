@@ -1,12 +1,17 @@
 """Greedy / temperature / top-k / top-p, and the acceptance rules.
 
-Sampling is keyed by position: the token at sequence position t is the inverse-CDF sample of the parent's
-distribution p_t at the uniform number `Uniforms.at(t)`, which depends only on the seed and t. Verifying a
-sampled draft is then plain: a drafted token is kept when it is the token the parent samples there
-(`coupled_verify`). The answer is exactly the parent's own sampled answer for that seed — the same under
-every policy, whichever tokens a drafter proposed (or none), and however many numbers were drawn before. A
-model draft samples its tokens from q with the same numbers, so where q is close to p it proposes the token
-the parent will sample (coupled sampling)."""
+Sampling is keyed by position and token (Gumbel-max): the token at sequence position t is the argmax over the
+parent's candidates i of log p_t(i) + g(t, i), where g is Gumbel noise drawn from the seed, t and i alone
+(`Noise.at`). That is an exact sample of p_t, and it is as steady as greedy decoding: the answer changes only
+where two candidates' perturbed scores lie within the logits' own rounding of each other (a batch of another
+shape computes the last digits differently). An inverse-CDF walk over the vocabulary in token-id order would move
+with the smallest change of any token's probability; this does not.
+
+Verifying a sampled draft is then plain: a drafted token is kept when it is the token the parent samples there
+(`coupled_verify`). The answer is the parent's own sampled answer for that seed — the same under every policy,
+whichever tokens a drafter proposed (or none), however many requests share the batch. A model draft samples its
+tokens from q with the same noise, so where q is close to p it proposes the token the parent will sample (coupled
+sampling)."""
 
 from __future__ import annotations
 
@@ -35,19 +40,41 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def uniforms(self) -> Uniforms:
-        """The numbers an answer is sampled with: this seed's, or a fresh random seed's."""
-        return Uniforms(self.seed if self.seed is not None else secrets.randbits(64))
+    def noise(self) -> Noise:
+        """The noise an answer is sampled with: this seed's, or a fresh random seed's."""
+        return Noise(self.seed if self.seed is not None else secrets.randbits(64))
 
 
-@dataclass(frozen=True)
-class Uniforms:
-    """One uniform number in [0, 1) per sequence position, from the seed and the position alone."""
+class Noise:
+    """Gumbel noise per sequence position and token, from the seed, the position and the token id alone. The
+    last few positions' vectors are kept: a model draft and the parent's verification sample the same ones."""
 
-    seed: int
+    KEEP = 16  # positions kept (a draft's length and its verification)
 
-    def at(self, position: int) -> float:
-        return float(np.random.default_rng((self.seed, position)).random())
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._kept: dict[tuple[int, int], np.ndarray] = {}
+
+    def at(self, position: int, n: int) -> np.ndarray:
+        """g(position, i) for the tokens i < n: -log(-log(U)), U uniform in (0, 1)."""
+        key = (position, n)
+        g = self._kept.get(key)
+        if g is None:
+            u = np.random.default_rng((self.seed, position)).random(n)
+            g = -np.log(-np.log1p(-u))  # 1 - u lies in (0, 1]: log1p(-u) < 0 except at u = 0 (g = -inf: never wins)
+            if len(self._kept) >= self.KEEP:
+                self._kept.pop(next(iter(self._kept)))
+            self._kept[key] = g
+        return g
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Noise) and other.seed == self.seed
+
+    def __hash__(self) -> int:
+        return hash(self.seed)
+
+    def __repr__(self) -> str:
+        return f"Noise({self.seed})"
 
 
 GREEDY = SamplingParams()
@@ -88,10 +115,24 @@ def probs(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
     return e / e.sum()
 
 
-def sample(p: np.ndarray, u: float) -> int:
-    """The inverse-CDF sample of `p` at the uniform number `u` (a token of non-zero probability)."""
-    c = np.cumsum(p)
-    return int(min(np.searchsorted(c, u * c[-1], side="right"), p.shape[0] - 1))
+def scores(p: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """The perturbed scores log p(i) + g(i) (-inf where p is 0): their argmax is the sample."""
+    with np.errstate(divide="ignore"):
+        return np.log(p) + g
+
+
+def sample(p: np.ndarray, g: np.ndarray) -> int:
+    """The Gumbel-max sample of `p` with the noise `g` (Noise.at): a token of non-zero probability."""
+    return int(np.argmax(scores(p, g)))
+
+
+def sample_margin(p: np.ndarray, g: np.ndarray) -> tuple[int, float]:
+    """The sample and how far its perturbed score lies above the next one (log units): a flip between batch
+    shapes needs the logits to move by about this much."""
+    s = scores(p, g)
+    top2 = np.argpartition(s, -2)[-2:] if s.shape[0] > 1 else np.array([0, 0])
+    a, b = sorted(top2, key=lambda i: -s[i])
+    return int(a), float(s[a] - s[b])
 
 
 def greedy_verify(parent_argmax, draft: Sequence[int]) -> tuple[int, int]:
@@ -106,13 +147,16 @@ def greedy_verify(parent_argmax, draft: Sequence[int]) -> tuple[int, int]:
     return len(draft), parent_argmax(len(draft))
 
 
-def coupled_verify(p_rows, draft: Sequence[int], u) -> tuple[int, int]:
+def coupled_verify(p_rows, draft: Sequence[int], noise) -> tuple[int, int]:
     """(accepted count, next token) when sampling: the parent samples each position (`p_rows(j)`, its
-    distribution after j drafted tokens, at the uniform number `u(j)`); a drafted token is kept while it is the
-    parent's sample, and the first sample that differs (or the one after a full accept) is the next token.
-    The tokens are the parent's samples whatever was drafted: exactly its distribution, and its answer."""
+    distribution after j drafted tokens, with the noise `noise(j, n)` of that position); a drafted token is kept
+    while it is the parent's sample, and the first sample that differs (or the one after a full accept) is the
+    next token. The tokens are the parent's samples whatever was drafted: exactly its distribution, and its
+    answer."""
     for j, d in enumerate(draft):
-        t = sample(p_rows(j), u(j))
+        p = p_rows(j)
+        t = sample(p, noise(j, p.shape[0]))
         if t != d:
             return j, t
-    return len(draft), sample(p_rows(len(draft)), u(len(draft)))
+    p = p_rows(len(draft))
+    return len(draft), sample(p, noise(len(draft), p.shape[0]))

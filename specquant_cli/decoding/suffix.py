@@ -62,7 +62,7 @@ class SuffixDrafter(DrafterBase):
         return best_draft_length(lambda gamma: expected_tokens(alpha, gamma) / self.verify_cost(gamma + 1),
                                  min(n, available))[0]
 
-    def propose(self, seq: Sequence[int], n: int, sp=None, uniforms=None) -> Draft:
+    def propose(self, seq: Sequence[int], n: int, sp=None, noise=None) -> Draft:
         self.remember(seq)
         return self.lookup(seq, n)
 

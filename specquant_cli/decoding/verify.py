@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from specquant_cli.decoding.protocols import Draft, TokenContext
 from specquant_cli.decoding.sampling import (
+    Noise,
     SamplingParams,
-    Uniforms,
     coupled_verify,
     greedy_token,
     greedy_verify,
@@ -21,9 +21,9 @@ from specquant_cli.decoding.sampling import (
 
 
 class LinearVerifier:
-    def __init__(self, sp: SamplingParams, uniforms: Uniforms):
+    def __init__(self, sp: SamplingParams, noise: Noise):
         self.sp = sp
-        self.uniforms = uniforms
+        self.noise = noise
 
     def verify(self, parent: TokenContext, seq: Sequence[int], draft: Draft) -> tuple[int, int]:
         """(accepted, next token). The parent's cache ends holding seq + the accepted draft tokens, less the
@@ -37,9 +37,9 @@ class LinearVerifier:
             parent.decode([seq[-1]] + draft.tokens, logits="all" if draft.tokens else "last")
             if self.sp.greedy:
                 accepted, nxt = greedy_verify(lambda j: greedy_token(parent.logits(j)), draft.tokens)
-            else:  # the token at position len(seq) + j is sampled with that position's number
+            else:  # the token at position len(seq) + j is sampled with that position's noise
                 accepted, nxt = coupled_verify(lambda j: probs(parent.logits(j), self.sp), draft.tokens,
-                                               lambda j: self.uniforms.at(len(seq) + j))
+                                               lambda j, n: self.noise.at(len(seq) + j, n))
         finally:
             parent.rewind(base + 1 + accepted)  # keep seq[-1] and the accepted draft tokens
         return accepted, nxt
