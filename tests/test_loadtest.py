@@ -178,7 +178,8 @@ class FakeServer:
                            for a, b in zip(cuts, cuts[1:])]
                 chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
                 if server.usage and (body.get("stream_options") or {}).get("include_usage"):
-                    chunks.append({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 2 * n}})
+                    used = min(2 * n, body["max_tokens"])  # never more than asked: that would be a failure
+                    chunks.append({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": used}})
                 if server.cut_on and server.cut_on in question:
                     chunks = chunks[:2]  # the server dies mid-answer
                 try:
@@ -245,7 +246,7 @@ def test_multi_turn_sends_every_earlier_turn_and_the_servers_own_answers(fake):
     assert [(q["conversation"], q["turn"]) for q in reqs] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     for q in reqs:
         assert q["ok"] and q["text"] == "reply to: " + q["messages"][-1]["content"]
-        assert q["output_tokens"] == 8 and q["tokens_from"] == "usage" and len(q["itl_s"]) == 3
+        assert q["output_tokens"] == 5 and q["tokens_from"] == "usage" and len(q["itl_s"]) == 3
     s = rep["summary"]
     assert s["requests"]["succeeded"] == 6 and s["ttft_first_turn_s"]["n"] == 2 and s["ttft_later_turns_s"]["n"] == 4
     assert rep["fidelity"] is None

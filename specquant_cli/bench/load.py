@@ -16,7 +16,13 @@ The pieces, each usable alone:
 Measured per request, as vLLM's `benchmark_serving.py` does: TTFT from sending the request to the first content
 piece (queueing and prefill included), inter-token latencies between consecutive content pieces (a speculative
 server may stream several tokens in one piece: its gaps are per piece, not per token), end to end, and the
-output tokens (the server's `usage`, else the pieces counted)."""
+output tokens (the server's `usage`, else the pieces counted).
+
+No server is trusted: every body is read chunk by chunk within a cap (an event-stream line, one answer's stream,
+an error's or GET /v1/models' body; compressed ones inflated step by step within the same caps), every request has
+a deadline for the whole of it (and the run one, with --deadline), the answer is over at [DONE] or soon after its
+finish_reason, and an answer longer than max_tokens allows (more pieces, more characters, a larger usage) fails.
+Each of these is the request's error, never an exception; a failed request counts toward no figure."""
 
 from __future__ import annotations
 
@@ -30,6 +36,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from specquant_cli.bench.bounded import (
+    MAX_BODY_BYTES,
+    Lines,
+    Refused,
+    brief,
+    decoded,
+    error_text,
+    read_body,
+    size_text,
+)
 from specquant_cli.errors import InputError, SpecquantError
 
 SCENARIOS = ("single", "multi-turn", "shared-system")
@@ -38,6 +54,19 @@ CHARS_PER_TOKEN = 4.0  # English prose in a BPE vocabulary: about four character
 PERCENTILES = (50, 95, 99)
 DEFAULT_TTFT_TARGET_S = 10.0  # sensible on a CPU; a GPU server would be held to far less
 DEFAULT_ITL_TARGET_S = 1.0
+
+# A server is trusted with nothing: every answer is read within these bounds, and breaking one fails the request.
+DEFAULT_READ_TIMEOUT_S = 600.0  # --timeout: seconds one read may wait (a CPU server's long prefill included)
+DEFAULT_REQUEST_TIMEOUT_S = 1800.0  # --request-timeout: seconds a whole request may take (a byte trickle ends here)
+PROBE_TIMEOUT_S = 30.0  # GET /v1/models, all of it
+STREAM_BYTES_MIN = 16 << 20  # one answer's whole event stream: at least this much may come,
+STREAM_BYTES_PER_TOKEN = 4096  # ... or this much per max_tokens when that is more (chunks of ~0.3 KiB a token)
+MAX_CHARS_PER_TOKEN = 64  # content characters one token may carry, generously (vocabularies' longest are ~16-32)
+FINISH_GRACE_S = 2.0  # after a finish_reason: seconds the usage chunk and [DONE] may still take
+FINISH_GRACE_LINES = 32  # ... and the lines (keep-alive pings) read after it at most
+MAX_MODEL_ID_CHARS = 256  # the model id taken from GET /v1/models
+DEADLINE_ERROR = "cancelled: the run's deadline passed"  # the error of a request in flight at --deadline
+IDENTITY = {"Accept-Encoding": "identity"}  # asked of every server; gzip and deflate are still read, bounded
 
 
 # -- the prompts ---------------------------------------------------------------------------------------------------
@@ -156,22 +185,32 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class Target:
-    """Where requests go and how: the base URL (without /v1), the model id, the request body's fixed part."""
+    """Where requests go and how: the base URL (without /v1), the model id, the request body's fixed part, the
+    seconds one read may wait (`timeout_s`) and the seconds a whole request may take (`request_timeout_s`)."""
 
     url: str
     model: str
     max_tokens: int
     api_key: Optional[str] = None
     extra_body: dict = field(default_factory=dict)
-    timeout_s: float = 600.0
+    timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
 
     def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return {**IDENTITY, **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
 
     def body(self, messages: list[dict]) -> dict:
         """A standard streamed greedy chat completion; non-standard fields only as --extra-body asks."""
         return {"model": self.model, "messages": messages, "max_tokens": self.max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, **self.extra_body}
+
+    def stream_cap(self) -> int:
+        """The most bytes one answer's event stream may take: a floor, or a generous allowance per token."""
+        return max(STREAM_BYTES_MIN, self.max_tokens * STREAM_BYTES_PER_TOKEN)
+
+    def max_chars(self) -> int:
+        """The most content characters an answer of `max_tokens` tokens can have (no token is longer)."""
+        return self.max_tokens * MAX_CHARS_PER_TOKEN
 
 
 def normal_url(url: str) -> str:
@@ -191,133 +230,223 @@ def normal_url(url: str) -> str:
     return text
 
 
-def _error_text(status: int, body: bytes) -> str:
-    try:
-        err = json.loads(body)["error"]
-        message = err["message"] if isinstance(err, dict) else str(err)
-    except (ValueError, KeyError, TypeError, RecursionError):
-        message = body.decode("utf-8", "replace").strip()[:200] or "no body"
-    return f"HTTP {status}: {' '.join(str(message).split())}"
+# -- one answer, streamed ------------------------------------------------------------------------------------------
+
+class _Answer:
+    """One streamed answer as its event-stream lines come: the content pieces timed into `result`, and every
+    bound of `target` checked on the way. `take(line)` says when reading may stop; a broken bound raises."""
+
+    def __init__(self, target: Target, result: RequestResult, clock: Callable[[], float], t0: float):
+        self.target, self.result, self.clock, self.t0 = target, result, clock, t0
+        self.parts: list[str] = []
+        self.chars = 0
+        self.last: Optional[float] = None  # when the last content piece came
+        self.end: Optional[float] = None  # when the last event that was no comment came
+        self.usage_tokens: Optional[int] = None
+        self.done = False  # data: [DONE] came
+        self.finished_at: Optional[float] = None  # a choice's finish_reason came
+        self.lines_after_finish = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.done or self.finished_at is not None
+
+    def take(self, raw: bytes) -> bool:
+        """One line; True when the answer is over ([DONE], or enough lines after the finish)."""
+        if self.finished_at is not None:
+            self.lines_after_finish += 1
+            if self.lines_after_finish > FINISH_GRACE_LINES:
+                return True  # keep-alive pings after the finish: the answer is over, [DONE] or not
+        line = raw.decode("utf-8", "replace")
+        if not line.startswith("data:"):
+            return False
+        data = line[5:].strip()
+        self.end = self.clock()
+        if data == "[DONE]":
+            self.done = True
+            return True
+        try:
+            chunk = json.loads(data)
+        except (ValueError, RecursionError):
+            raise Refused(f"not JSON in the event stream: {data[:80]!r}") from None
+        if isinstance(chunk, dict):
+            self._chunk(chunk)
+        return False
+
+    def _chunk(self, chunk: dict) -> None:
+        r, max_tokens = self.result, self.target.max_tokens
+        if chunk.get("error"):
+            e = chunk["error"]
+            raise Refused("error event: " + brief(str(e.get("message", e) if isinstance(e, dict) else e)))
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.usage_tokens = usage["completion_tokens"]
+            if self.usage_tokens > max_tokens:
+                raise Refused(f"the server counted {self.usage_tokens} completion tokens for max_tokens "
+                               f"{max_tokens}")
+            r.prompt_tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else []:
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            content = delta.get("content") if isinstance(delta, dict) else None
+            if isinstance(content, str) and content:
+                self._piece(content)
+            if isinstance(choice, dict) and choice.get("finish_reason"):
+                r.finish_reason = brief(str(choice["finish_reason"]), 40)
+                if self.finished_at is None:
+                    self.finished_at = self.clock()
+
+    def _piece(self, content: str) -> None:
+        """A content piece: timed, and held to the bounds (each piece carries at least one token)."""
+        r, max_tokens = self.result, self.target.max_tokens
+        if len(self.parts) >= max_tokens:
+            raise Refused(f"the server streamed more than {max_tokens} content pieces for max_tokens {max_tokens}")
+        self.chars += len(content)
+        if self.chars > self.target.max_chars():
+            raise Refused(f"the server streamed over {self.target.max_chars()} characters for max_tokens "
+                           f"{max_tokens} (at most {MAX_CHARS_PER_TOKEN} a token)")
+        now = self.clock()
+        if self.last is None:
+            r.ttft_s = now - self.t0
+        else:
+            r.itl_s.append(now - self.last)
+        self.last = now
+        self.parts.append(content)
 
 
-async def stream_chat(client, target: Target, result: RequestResult, clock: Callable[[], float]) -> RequestResult:
+async def _exchange(client, target: Target, answer: _Answer, scope: asyncio.Timeout) -> None:
+    """POST the request and read its event stream line by line into `answer`, until [DONE], the end of the
+    stream, or a short grace after the finish (`scope`, the request's deadline, is brought forward to it)."""
+    async with client.stream("POST", target.url + "/v1/chat/completions", json=target.body(answer.result.messages),
+                             headers=target.headers()) as resp:
+        if resp.status_code != 200:
+            try:
+                body, cut = await read_body(resp)
+            except Refused as e:
+                raise Refused(f"HTTP {resp.status_code}: {e}") from None
+            raise Refused(error_text(resp.status_code, body, cut))
+        kind = resp.headers.get("content-type", "")
+        if not kind.startswith("text/event-stream"):
+            raise Refused(f"the answer is no event stream (Content-Type: {brief(kind, 80) or 'none'})")
+        lines = Lines()
+        graced = False
+        async for data in decoded(resp, target.stream_cap(), "the event stream"):
+            for line in lines.feed(data):
+                if answer.take(line):
+                    return
+            if answer.finished_at is not None and not graced:
+                graced = True  # the finish came: [DONE] (and the usage) may take FINISH_GRACE_S more, no longer
+                loop = asyncio.get_running_loop()
+                scope.reschedule(min(scope.when(), loop.time() + FINISH_GRACE_S))
+        for line in lines.close():
+            if answer.take(line):
+                return
+    if not answer.complete:
+        raise Refused("the event stream ended before the answer did (no finish_reason, no [DONE])")
+
+
+async def stream_chat(client, target: Target, result: RequestResult, clock: Callable[[], float],
+                      run_end: Optional[float] = None) -> RequestResult:
     """Send `result.messages` and read the server-sent events, timing each content piece; `result` is filled
-    in (ok, or the error that ended it) and returned."""
+    in (ok, or the error that ended it) and returned. Nothing a server does escapes as an exception: every
+    broken bound (line, stream size, pieces, characters, tokens), every HTTP error and the request's deadline
+    (`target.request_timeout_s` for the whole request, or `run_end` on `clock` when the run ends sooner) is the
+    result's error. After the finish the answer is over at [DONE], or FINISH_GRACE_S later at the latest."""
     import httpx
 
-    parts: list[str] = []
     t0 = clock()
-    last = None
-    usage_tokens = None
-    done = False
+    limit = target.request_timeout_s
+    why = f"no full answer within {limit:g} s (the request's deadline)"
+    if run_end is not None and run_end - t0 < limit:
+        limit, why = max(0.0, run_end - t0), DEADLINE_ERROR
+    answer = _Answer(target, result, clock, t0)
     try:
-        async with client.stream("POST", target.url + "/v1/chat/completions", json=target.body(result.messages),
-                                 headers=target.headers()) as resp:
-            if resp.status_code != 200:
-                result.error = _error_text(resp.status_code, await resp.aread())
-                return result
-            kind = resp.headers.get("content-type", "")
-            if not kind.startswith("text/event-stream"):
-                result.error = f"the answer is no event stream (Content-Type: {kind or 'none'})"
-                return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                try:
-                    chunk = json.loads(data)
-                except (ValueError, RecursionError):
-                    result.error = f"not JSON in the event stream: {data[:80]!r}"
-                    return result
-                if not isinstance(chunk, dict):
-                    continue
-                if chunk.get("error"):
-                    e = chunk["error"]
-                    result.error = "error event: " + str(e.get("message", e) if isinstance(e, dict) else e)
-                    return result
-                usage = chunk.get("usage")
-                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                    usage_tokens = usage["completion_tokens"]
-                    result.prompt_tokens = usage.get("prompt_tokens")
-                choices = chunk.get("choices")
-                for choice in choices if isinstance(choices, list) else []:
-                    delta = choice.get("delta") if isinstance(choice, dict) else None
-                    content = delta.get("content") if isinstance(delta, dict) else None
-                    if isinstance(content, str) and content:
-                        now = clock()
-                        if last is None:
-                            result.ttft_s = now - t0
-                        else:
-                            result.itl_s.append(now - last)
-                        last = now
-                        parts.append(content)
-                    if isinstance(choice, dict) and choice.get("finish_reason"):
-                        result.finish_reason = str(choice["finish_reason"])
-            if not done and result.finish_reason is None:
-                result.error = "the event stream ended before the answer did (no finish_reason, no [DONE])"
-                return result
-    except httpx.HTTPError as e:
-        result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return result
+        async with asyncio.timeout(limit) as scope:
+            await _exchange(client, target, answer, scope)
+    except TimeoutError:  # before OSError: TimeoutError is one
+        if not answer.complete:
+            result.error = why
+    except Refused as e:
+        result.error = str(e)
+    except (httpx.HTTPError, httpx.StreamError, httpx.InvalidURL, OSError) as e:
+        result.error = f"{type(e).__name__}: {brief(str(e))}" if str(e) else type(e).__name__
     finally:
-        result.e2e_s = clock() - t0
-        result.text = "".join(parts)
+        result.e2e_s = (answer.end if answer.complete and answer.end is not None else clock()) - t0
+        result.text = "".join(answer.parts)
+    if result.error is not None:
+        return result
     result.ok = True
-    result.output_tokens = usage_tokens if usage_tokens is not None else len(parts)
-    result.tokens_from = "usage" if usage_tokens is not None else "chunks"
+    result.output_tokens = answer.usage_tokens if answer.usage_tokens is not None else len(answer.parts)
+    result.tokens_from = "usage" if answer.usage_tokens is not None else "chunks"
     return result
 
 
 # -- the load ------------------------------------------------------------------------------------------------------
 
 def client_timeout(seconds: float):
+    """Seconds one read (and connecting, at most 10) may take; a whole request's deadline is stream_chat's."""
     import httpx
 
     return httpx.Timeout(seconds, connect=min(seconds, 10.0))
 
 
-async def _probe(client, url: str, headers: dict, need_model: bool) -> Optional[str]:
-    """GET /v1/models: the first model's id. An unreachable server is an error; so is a refusal when the model
-    id is needed."""
+async def _probe(client, url: str, headers: dict, need_model: bool, deadline_s: float = PROBE_TIMEOUT_S
+                 ) -> Optional[str]:
+    """GET /v1/models: the first model's id. An unreachable server is an error; so is a refusal, an answer over
+    MAX_BODY_BYTES or none within `deadline_s` when the model id is needed (the body is read bounded)."""
     import httpx
 
+    where = f"GET {url}/v1/models"
     try:
-        resp = await client.get(url + "/v1/models", headers=headers)
-    except httpx.HTTPError as e:
-        raise SpecquantError(f"cannot reach the server at {url} ({type(e).__name__}: {e or 'no answer'})") from None
-    if resp.status_code != 200:
+        async with asyncio.timeout(deadline_s):
+            async with client.stream("GET", url + "/v1/models", headers={**headers, **IDENTITY}) as resp:
+                status = resp.status_code
+                body, cut = await read_body(resp)
+    except TimeoutError:
+        raise SpecquantError(f"{where}: no full answer within {deadline_s:g} s") from None
+    except Refused as e:
+        raise SpecquantError(f"{where}: {e}") from None
+    except (httpx.HTTPError, httpx.StreamError, httpx.InvalidURL, OSError) as e:
+        raise SpecquantError(f"cannot reach the server at {url} ({type(e).__name__}: {brief(str(e)) or 'no answer'})"
+                             ) from None
+    if status != 200:
         if need_model:
-            raise SpecquantError(f"GET {url}/v1/models: {_error_text(resp.status_code, resp.content)}"
-                                 + (" (give --api-key)" if resp.status_code == 401 else "")
-                                 + ("; name the model with --model" if resp.status_code != 401 else ""))
+            raise SpecquantError(f"{where}: {error_text(status, body, cut)}"
+                                 + (" (give --api-key)" if status == 401 else "")
+                                 + ("; name the model with --model" if status != 401 else ""))
+        return None
+    if cut:
+        if need_model:
+            raise SpecquantError(f"{where}: an answer over {size_text(MAX_BODY_BYTES)}; name the model with --model")
         return None
     try:
-        data = resp.json()["data"]
-        return str(data[0]["id"])
+        model = json.loads(body)["data"][0]["id"]
+        if not isinstance(model, (str, int)) or not 0 < len(str(model)) <= MAX_MODEL_ID_CHARS:
+            raise TypeError
+        return str(model)
     except (ValueError, KeyError, IndexError, TypeError, RecursionError):
         if need_model:
-            raise SpecquantError(f"GET {url}/v1/models listed no model; name it with --model") from None
+            raise SpecquantError(f"{where} listed no model; name it with --model") from None
         return None
 
 
-def find_model(url: str, api_key: Optional[str], model: Optional[str], timeout_s: float = 30.0) -> str:
-    """The model to ask for: `model`, else the first id of GET /v1/models. Either way the server must answer."""
+def find_model(url: str, api_key: Optional[str], model: Optional[str], timeout_s: float = PROBE_TIMEOUT_S) -> str:
+    """The model to ask for: `model`, else the first id of GET /v1/models. Either way the server must answer,
+    all of it within `timeout_s`."""
     import httpx
 
     async def go():
         async with httpx.AsyncClient(timeout=client_timeout(timeout_s)) as client:
             headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-            return await _probe(client, url, headers, model is None)
+            return await _probe(client, url, headers, model is None, timeout_s)
 
     found = asyncio.run(go())
     return model if model is not None else found
 
 
 async def _run(target: Target, convs: Sequence[Conversation], starts: Sequence[float], concurrency: Optional[int],
-               on_result: Optional[Callable[[RequestResult], None]]) -> tuple[list[RequestResult], float]:
+               on_result: Optional[Callable[[RequestResult], None]], deadline_s: Optional[float] = None
+               ) -> tuple[list[RequestResult], float]:
     import httpx
 
     clock = time.perf_counter
@@ -327,15 +456,23 @@ async def _run(target: Target, convs: Sequence[Conversation], starts: Sequence[f
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     async with httpx.AsyncClient(timeout=client_timeout(target.timeout_s), limits=limits) as client:
         t0 = clock()
+        run_end = None if deadline_s is None else t0 + deadline_s
+
+        def too_late(at: float) -> bool:
+            return run_end is not None and at >= run_end
 
         async def converse(conv: Conversation, start: float) -> None:
+            if too_late(t0 + start):
+                return  # it would arrive after the run's deadline: never sent
             await asyncio.sleep(max(0.0, t0 + start - clock()))
             async with gate:
                 history: list[dict] = [{"role": "system", "content": conv.system}] if conv.system else []
                 for k, question in enumerate(conv.questions):
+                    if too_late(clock()):
+                        return  # no request starts after the run's deadline
                     messages = [*history, {"role": "user", "content": question}]
                     r = RequestResult(conv.index, k, messages, start_s=clock() - t0)
-                    await stream_chat(client, target, r, clock)
+                    await stream_chat(client, target, r, clock, run_end)
                     results.append(r)
                     if on_result:
                         on_result(r)
@@ -350,11 +487,14 @@ async def _run(target: Target, convs: Sequence[Conversation], starts: Sequence[f
 
 
 def run(target: Target, convs: Sequence[Conversation], starts: Sequence[float], concurrency: Optional[int] = None,
-        on_result: Optional[Callable[[RequestResult], None]] = None) -> tuple[list[RequestResult], float]:
+        on_result: Optional[Callable[[RequestResult], None]] = None, deadline_s: Optional[float] = None
+        ) -> tuple[list[RequestResult], float]:
     """Every conversation, each starting at its offset in `starts` with at most `concurrency` in flight (None: no
     cap); its turns one after another. (results ordered by conversation and turn, wall seconds). A failed request
-    ends its conversation. Ctrl-C cancels every request in flight (their connections closed) and propagates."""
-    return asyncio.run(_run(target, convs, starts, concurrency, on_result))
+    ends its conversation. With `deadline_s` the run ends then: no request starts after it, and those in flight
+    are cancelled and fail (DEADLINE_ERROR); the turns never sent are not in the results.
+    Ctrl-C cancels every request in flight (their connections closed) and propagates."""
+    return asyncio.run(_run(target, convs, starts, concurrency, on_result, deadline_s))
 
 
 # -- the figures ---------------------------------------------------------------------------------------------------

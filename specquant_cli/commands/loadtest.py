@@ -8,7 +8,15 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.bench.load import DEFAULT_ITL_TARGET_S, DEFAULT_SYSTEM_TOKENS, DEFAULT_TTFT_TARGET_S, SCENARIOS
+from specquant_cli.bench.load import (
+    DEFAULT_ITL_TARGET_S,
+    DEFAULT_READ_TIMEOUT_S,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    DEFAULT_SYSTEM_TOKENS,
+    DEFAULT_TTFT_TARGET_S,
+    PROBE_TIMEOUT_S,
+    SCENARIOS,
+)
 from specquant_cli.commands.options import finite, with_settings
 from specquant_cli.console import err, out_json
 from specquant_cli.errors import InputError
@@ -62,8 +70,15 @@ def loadtest(
     extra_body: Optional[str] = typer.Option(None, "--extra-body", help="A JSON object merged into every "
                                              "request body, e.g. '{\"cache_prompt\": false}' for llama-server or "
                                              "'{\"specquant_policy\": \"parent\"}'", show_default=False),
-    timeout: float = typer.Option(600.0, "--timeout", callback=_positive,
+    timeout: float = typer.Option(DEFAULT_READ_TIMEOUT_S, "--timeout", callback=_positive,
                                   help="Seconds a request may take between reads"),
+    request_timeout: float = typer.Option(DEFAULT_REQUEST_TIMEOUT_S, "--request-timeout", callback=_positive,
+                                          help="Seconds a whole request may take, from sending it to the end of "
+                                               "its answer (a server that trickles bytes fails here)"),
+    deadline: Optional[float] = typer.Option(None, "--deadline", callback=_positive,
+                                             help="Seconds the whole run may take: no request starts after it, "
+                                                  "those in flight are cancelled and fail (default: none)",
+                                             show_default=False),
     out_file: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON report to FILE"),
     md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown summary to FILE"),
     *, cfg: Settings,
@@ -91,8 +106,8 @@ def loadtest(
         from specquant_cli.commands.options import load_family
 
         family = load_family(family)
-    name = load.find_model(base, api_key, model, min(timeout, 30.0))
-    target = load.Target(base, name, max_tokens, api_key, extra, timeout)
+    name = load.find_model(base, api_key, model, min(timeout, request_timeout, PROBE_TIMEOUT_S))
+    target = load.Target(base, name, max_tokens, api_key, extra, timeout, request_timeout)
     planned = len(convs) * turns
     err.print(f"loadtest: {base}, model {name}, {scenario}: {len(convs)} conversations × {turns} turns, "
               + (f"Poisson {rate}/s (seed {seed})" if rate else f"{concurrency} in flight"), markup=False)
@@ -105,7 +120,11 @@ def loadtest(
         err.print(f"[{done[0]}/{planned} {r.start_s + (r.e2e_s or 0):.1f}s] conversation {r.conversation} turn "
                   f"{r.turn}: {what}", markup=False)
 
-    results, wall = load.run(target, convs, starts, concurrency, line)
+    results, wall = load.run(target, convs, starts, concurrency, line, deadline)
+    late = _not_sent_at_deadline(results, turns, planned) if deadline is not None else 0
+    if late:
+        err.print(f"loadtest: the run's deadline of {deadline:g} s passed; {late} of {planned} requests not sent",
+                  markup=False)
     summary = load.summarize(results, wall, ttft_target, itl_target, planned)
     judged = None
     if family is not None and any(r.ok for r in results):
@@ -117,7 +136,8 @@ def loadtest(
                    "rate": rate, "seed": seed, "max_tokens": max_tokens, "temperature": 0,
                    "system_tokens": (system_tokens or DEFAULT_SYSTEM_TOKENS) if system else None,
                    "system_chars": len(system) if system else None, "extra_body": extra,
-                   "datasets": [str(d) for d in dataset] or ["builtin"], "timeout_s": timeout},
+                   "datasets": [str(d) for d in dataset] or ["builtin"], "timeout_s": timeout,
+                   "request_timeout_s": request_timeout, "deadline_s": deadline},
         "summary": summary,
         "fidelity_family": str(family.root) if judged is not None else None,
         "fidelity": judged,
@@ -131,6 +151,15 @@ def loadtest(
     if not summary["requests"]["succeeded"]:
         first = next((r.error for r in results if r.error), "no request was sent")
         raise InputError(f"no request succeeded (first error: {first})")
+
+
+def _not_sent_at_deadline(results, turns: int, planned: int) -> int:
+    """The requests never sent because the run's deadline passed: those planned, less those sent, less the turns
+    that a failed request (one the deadline did not cancel) ended its conversation before."""
+    from specquant_cli.bench.load import DEADLINE_ERROR
+
+    after_failures = sum(turns - r.turn - 1 for r in results if not r.ok and r.error != DEADLINE_ERROR)
+    return planned - len(results) - after_failures
 
 
 def _extra_body(text: Optional[str]) -> dict:
