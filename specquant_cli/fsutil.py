@@ -33,13 +33,14 @@ def temp_name(final_name: str) -> str:
     return f".{final_name}.{os.getpid()}.{secrets.token_hex(4)}.part"
 
 
-def create_temp(final: Path) -> tuple[int, Path]:
-    """Create a new, empty temp file beside `final`: (open fd, path). Never opens an existing file or link."""
+def create_temp(final: Path, mode: int = 0o666) -> tuple[int, Path]:
+    """Create a new, empty temp file beside `final` (`mode`, less the umask): (open fd, path). Never opens an
+    existing file or link."""
     final = Path(final)
     for _ in range(64):
         tmp = final.with_name(temp_name(final.name))
         try:
-            return os.open(tmp, _CREATE, 0o666), tmp
+            return os.open(tmp, _CREATE, mode), tmp
         except FileExistsError:
             continue
     raise OSError(errno.EEXIST, f"no free temporary name beside {final}")
@@ -91,11 +92,12 @@ def atomic_path(final: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_open(final: Path, mode: str = "w") -> Iterator:
-    """A file object over the exclusively created temp fd (never reopened by name); committed on success."""
+def atomic_open(final: Path, mode: str = "w", perms: int = 0o666) -> Iterator:
+    """A file object over the exclusively created temp fd (never reopened by name, made with `perms` less the
+    umask: 0o600 for a private file); committed on success."""
     final = Path(final)
     remove_stale(final.parent, final.name)
-    fd, tmp = create_temp(final)
+    fd, tmp = create_temp(final, perms)
     try:
         with open(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
@@ -108,8 +110,8 @@ def atomic_open(final: Path, mode: str = "w") -> Iterator:
             tmp.unlink()
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    with atomic_open(Path(path), "wb") as f:
+def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o666) -> None:
+    with atomic_open(Path(path), "wb", mode) as f:
         f.write(data)
 
 

@@ -9,6 +9,8 @@ from urllib.parse import urlsplit
 
 from specquant_cli.errors import InputError
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
 
 def decode_input(data: bytes, what: str = "input") -> str:
     """Input must be UTF-8: invalid bytes are refused (not replaced), so no prompt is silently altered."""
@@ -17,6 +19,15 @@ def decode_input(data: bytes, what: str = "input") -> str:
     except UnicodeDecodeError as e:
         raise InputError(f"{what} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
                          "convert it first, e.g. with iconv -t UTF-8") from None
+
+
+def decode_file(data: bytes, what: str) -> str:
+    """A file the program reads for itself (a config, a key file) as UTF-8 (decode_input), refusing a leading
+    UTF-8 byte-order mark by name: TOML and a key file take none, and left in it would be a character of the
+    first key or a syntax error at line 1, column 1. Prompts keep theirs (decode_input: the text as given)."""
+    if data.startswith(UTF8_BOM):
+        raise InputError(f"{what} starts with a UTF-8 byte-order mark; save it without one")
+    return decode_input(data, what)
 
 
 def check_text(value: str, what: str) -> str:

@@ -172,11 +172,13 @@ class ChatSession:
 
     def ask_messages(self, messages: list[dict], route_text: Optional[str] = None, policy: Optional[str] = None,
                      sampling: Optional[SamplingParams] = None, max_tokens: Optional[int] = None,
-                     stop: Optional[Sequence[str]] = None, raw_prompt: Optional[str] = None
+                     stop: Optional[Sequence[str]] = None, raw_prompt: Optional[str] = None, scope: str = ""
                      ) -> tuple[Answer, Iterator[Response]]:
         """Like `ask`, for a whole conversation given as messages (the server's entry point); the session's
         history is not used or changed. The route scores `route_text` (default: the last user message).
-        `raw_prompt` is tokenized as it is instead of rendering the messages (plain completions)."""
+        `raw_prompt` is tokenized as it is instead of rendering the messages (plain completions). `scope`: the
+        request's scope (a server's tenant and cache_salt; "" for a session alone), whose part of the drafting memory
+        its drafter uses."""
         if route_text is None:
             route_text = raw_prompt if raw_prompt is not None else next(
                 (m["content"] for m in reversed(messages) if m["role"] == "user"), "")
@@ -187,7 +189,7 @@ class ChatSession:
         limit = max_tokens or self.max_tokens
         route, plan = self.plan(route_text, policy, prompt, answer_tokens=limit)
         answer = Answer(route_text, route, plan, route_s=time.perf_counter() - t0)
-        engine = self.runtime.engine(plan, sampling or self.sampling, position=len(prompt))
+        engine = self.runtime.engine(plan, sampling or self.sampling, position=len(prompt), scope=scope)
         stops = self.stop if stop is None else stop
 
         def run() -> Iterator[Response]:

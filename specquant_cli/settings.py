@@ -11,8 +11,11 @@ It imports nothing of the package at load."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +32,18 @@ DEFAULT_GAMMA = 4  # the draft length γ when nothing sets one
 MAX_GAMMA_SETTING = 16  # the largest --gamma accepted
 MAX_PARALLEL = 8  # the most sequences serve decodes together
 DEFAULT_DRAFT_MEMORY_MIB = 64.0  # RAM of each policy's drafting memory (decoding.memory)
+MAX_DRAFT_MEMORY_MIB = 4096.0  # the largest --draft-memory (per policy; serve's memory check counts them all)
 CACHE_RAM_SHARE = 0.25  # of free memory: the prompt cache's default budget
 CACHE_RAM_MAX_MIB = 8192.0  # ... at most this (llama-server's default --cache-ram)
+CACHE_RAM_MIN_MIB = 1.0  # the smallest prompt cache serve takes (0 is off): below it no entry fits
 DEFAULT_PREFILL_CHUNK = 128  # tokens a prompt adds per batch round while other requests decode
 DEFAULT_RPC_TIMEOUT_S = 300.0  # longest wait for one RPC reply (a long prefill on a slow worker stays under it)
 MAX_RPC_TIMEOUT_S = 86400.0
 SOURCES = ("default", "toml", "env", "flag", "machine")
+MAX_CONFIG_BYTES = 1 << 20  # the largest specquant.toml read (a config is a few settings)
+MAX_CONFIG_DEPTH = 32  # the deepest nesting of tables and arrays in it (the document is level 1)
+MAX_KEY_FILE_BYTES = 64 << 10  # the largest --api-key-file read (serving.keys)
+COMPANIONS = {"serving.api_key": ("serving.api_key_file",)}  # a command taking the key takes these too
 
 SELFTEST_CHILD_ENV = "SPECQUANT_SELFTEST_CHILD"  # set in the self-test's child: it never starts a self-test itself
 SELFTEST_FAULT_ENV = "SPECQUANT_SELFTEST_FAULT"  # fault injection for tests: TYPE:SIGNAME kills the child at TYPE
@@ -158,6 +167,48 @@ def check_text(value: Any) -> str:
     return text
 
 
+def check_key(key: Any) -> str:
+    """One API key: printable ASCII, nothing around it. An empty key, one with a space or newline at an end (a
+    copy-paste slip that no client sends back) or with a control or non-ASCII character is refused, never
+    trimmed: the key a client sends must be the key as written. The message never shows the key."""
+    if not isinstance(key, str):
+        raise SettingError(f"expected a string key, not {type(key).__name__}")
+    if not key:
+        raise SettingError("an empty key is no key (leave the setting unset for none)")
+    if key.strip() != key:
+        raise SettingError("the key has leading or trailing whitespace; remove it")
+    if not key.isascii():
+        raise SettingError("the key has a non-ASCII character (a key is printable ASCII)")
+    if not key.isprintable():
+        raise SettingError("the key has a control character (a key is printable ASCII)")
+    return key
+
+
+def check_api_keys(value: Any) -> Any:
+    """serving.api_key: one key (a string: the key) or several (a repeated --api-key, a TOML array: their list,
+    in order), each checked (check_key); a key given twice is refused."""
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise SettingError("no key given (an empty list; leave the setting unset for none)")
+    keys: list[str] = []
+    for i, item in enumerate(items, 1):
+        try:
+            key = check_key(item)
+        except SettingError as e:
+            raise SettingError(f"key {i} of {len(items)}: {e}" if len(items) > 1 else str(e)) from None
+        if key in keys:
+            raise SettingError(f"key {i} repeats key {keys.index(key) + 1}; give each key once")
+        keys.append(key)
+    return keys if isinstance(value, list) else keys[0]  # a list stays one (a repeated flag of one use too)
+
+
+def key_list(value: Any) -> tuple[str, ...]:
+    """serving.api_key's resolved value as a tuple of keys (() when unset)."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
 @dataclass(frozen=True)
 class Setting:
     """One setting. `flag`: its command-line option (None: environment and specquant.toml only); `lo`/`hi`:
@@ -178,6 +229,7 @@ class Setting:
     optional: bool = False  # None is a value of it (not given: decided later, or absent)
     usage: bool = True  # a flag value its check refuses is a usage error (exit 2); False: an error (exit 1)
     many: bool = False  # a list: comma-separated text, or a TOML array
+    repeat: bool = False  # several values: the flag repeated, or a TOML array; the environment holds one
 
     @property
     def key(self) -> str:
@@ -194,7 +246,7 @@ class Setting:
     def convert(self, raw: Any, text: bool = True) -> Any:
         """A value from the environment (`text`) or specquant.toml (TOML's own types: a string is no number
         there) as this setting's type, bounded and checked; SettingError says why not."""
-        if isinstance(raw, list) and not self.many:
+        if isinstance(raw, list) and not (self.many or self.repeat):
             raise SettingError("expected one value, not a list")
         if not text and isinstance(raw, str) and self.kind not in (str, Path):
             raise SettingError(f"expected {self.kind.__name__}, not str")
@@ -220,6 +272,10 @@ def _below(kind: type, lo: float) -> str:
 
 
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# A number as text: ASCII decimal digits only (float() also takes `1_000`, fullwidth and Arabic-Indic digits and
+# Unicode spaces around them; none of them is what a setting means), inf and nan to be refused as not finite.
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_NOT_FINITE = re.compile(r"[+-]?(?:inf|infinity|nan)", re.IGNORECASE)
 
 
 def _convert(kind: type, raw: Any) -> Any:
@@ -237,10 +293,9 @@ def _convert(kind: type, raw: Any) -> Any:
                 raise SettingError("expected an integer")
             return int(text) if len(digits) <= 40 else (1 if text[0] != "-" else -1) * 10**40  # no 4300-digit parse
         if kind is float:
-            try:
-                value = float(text)
-            except ValueError:
-                raise SettingError("expected a number") from None
+            if not (_DECIMAL.fullmatch(raw) or _NOT_FINITE.fullmatch(raw)):
+                raise SettingError("expected a number (ASCII digits, no spaces: e.g. 2, 1.5, .5, 1e3)")
+            value = float(raw)
             if not math.isfinite(value):
                 raise SettingError("expected a finite number")
             return value
@@ -315,7 +370,9 @@ def _declare() -> dict[str, Setting]:
                 optional=True, shown="none"),
         Setting("decoding", "draft_memory", float, DEFAULT_DRAFT_MEMORY_MIB, "RAM (MiB) of the drafting memory "
                 "every request of a policy shares (suffix drafts over earlier prompts and answers; least recently "
-                "used out; 0: each answer drafts from itself alone)", "--draft-memory", lo=0.0, hi=1 << 16),
+                "used out; 0: each answer drafts from itself alone). One per policy that drafts from it: serve's "
+                "memory check counts it once per such policy on offer", "--draft-memory", lo=0.0,
+                hi=MAX_DRAFT_MEMORY_MIB),
         # runtime: what the models run with
         Setting("runtime", "family", Path, None, "Family folder", "--family", check=check_path, optional=True,
                 shown=str(DEFAULT_FAMILY_DIR)),
@@ -344,8 +401,15 @@ def _declare() -> dict[str, Setting]:
                 check=check_text),
         Setting("serving", "port", int, 8080, "Port (0: any free port, printed at start)", "--port", lo=0,
                 hi=65535),
-        Setting("serving", "api_key", str, None, "Require Authorization: Bearer KEY on every /v1 request",
-                "--api-key", check=check_text, optional=True, secret=True, shown="none"),
+        Setting("serving", "api_key", str, None, "Require Authorization: Bearer KEY on every /v1 request. "
+                "Repeat it for several keys, each a tenant (in specquant.toml an array; the variable holds one key, "
+                "commas included: more keys belong in --api-key-file, not in the environment). A key is printable "
+                "ASCII with nothing around it; an empty one is refused", "--api-key", check=check_api_keys,
+                optional=True, secret=True, shown="none", repeat=True),
+        Setting("serving", "api_key_file", Path, None, "A file of API keys, one per line, each a tenant (blank "
+                "lines and lines starting with # skipped; a key given twice is refused). It must be a regular file "
+                f"of yours, no symbolic link, mode 600 or stricter, at most {MAX_KEY_FILE_BYTES >> 10} KiB",
+                "--api-key-file", check=check_path, optional=True, shown="none"),
         Setting("serving", "queue", int, 32, "Requests that may wait behind the running ones", "--queue", lo=0),
         Setting("serving", "max_body", int, 1 << 20, "Largest request body in bytes (413 above)", "--max-body",
                 lo=1024, hi=1 << 30),
@@ -362,12 +426,17 @@ def _declare() -> dict[str, Setting]:
                 "slot's (copied, no prefill) and the prompt cache's (off: every prompt is prefilled whole)",
                 "--prompt-cache"),
         Setting("serving", "cache_ram", float, None, "RAM (MiB) of the prompt cache: the parent's state of a "
-                "reused slot, kept for a later prompt that starts the same way (least recently used out; 0: off)",
+                "reused slot, kept for a later prompt that starts the same way (least recently used out; 0: off; "
+                f"else at least {CACHE_RAM_MIN_MIB:g}, or what one cached prompt of the model takes where that is "
+                "more)",
                 "--cache-ram", lo=0.0, hi=1 << 24, optional=True,
                 shown=f"{CACHE_RAM_SHARE:.0%} of free memory, at most {CACHE_RAM_MAX_MIB:.0f}"),
         Setting("serving", "cache_dir", Path, None, "A folder the prompt cache is also written to, and read back "
-                "from at start (entries of another model, build or context size are refused)", "--cache-dir",
-                check=check_path, optional=True, shown="none"),
+                "from at start (entries of another model, build or context size are refused); made private (700, "
+                "files 600)", "--cache-dir", check=check_path, optional=True, shown="none"),
+        Setting("serving", "cache_disk", float, None, "MiB the --cache-dir folder holds in all: after every write "
+                "its oldest files go first, whichever server sharing it wrote them", "--cache-disk", lo=1.0,
+                hi=1 << 24, optional=True, shown="--cache-ram's"),
         Setting("serving", "prefill_chunk", int, DEFAULT_PREFILL_CHUNK, "Tokens a prompt adds per batch round "
                 "while other requests decode (their inter-token latency stays bounded)", "--prefill-chunk", lo=8,
                 hi=512),
@@ -427,6 +496,35 @@ class Settings:
             return self
         return Settings({**self.values, key: Value(value, "machine", origin)}, self.config)
 
+    def given_by(self, key: str) -> str:
+        """Where `key`'s value came from, as a user would find it: its flag, its variable, `serving.host in
+        PATH` (the specquant.toml read), what the machine decided it from, or "the default"."""
+        s, v = settings_table()[key], self.values[key]
+        if v.source == "flag":
+            return s.flag or key
+        if v.source == "env":
+            return s.env
+        if v.source == "toml":
+            return f"{s.key} in {v.origin}"
+        return v.origin or ("the default" if v.source == "default" else "this machine")
+
+    def stated(self, key: str) -> str:
+        """`key` as it was given: `--host 0.0.0.0`, `SPECQUANT_HOST=0.0.0.0`, `host = "0.0.0.0" from PATH` (a list
+        as one value); a secret by where it came from alone (given_by), never its value."""
+        s, v = settings_table()[key], self.values[key]
+        if s.secret:
+            return self.given_by(key)
+        items = list(v.value) if isinstance(v.value, (list, tuple)) else [v.value]
+        if v.source == "toml":
+            shown = _toml_text(items[0]) if len(items) == 1 else f"[{', '.join(map(_toml_text, items))}]"
+            return f"{s.name} = {shown} from {v.origin}"
+        shown = ",".join(map(_plain_text, items))
+        if v.source == "flag":
+            return f"{s.flag or key} {shown}"
+        if v.source == "env":
+            return f"{s.env}={shown}"
+        return f"{s.key} {shown} ({self.given_by(key)})"
+
     def to_dict(self) -> dict:
         table = settings_table()
         out: dict = {}
@@ -438,6 +536,17 @@ class Settings:
                 shown = str(shown)
             out[key] = {"value": shown, "source": v.source, **({"from": v.origin} if v.origin else {})}
         return out
+
+
+def _plain_text(x: Any) -> str:
+    return _num(x) if isinstance(x, float) else str(x)
+
+
+def _toml_text(x: Any) -> str:
+    """A value as specquant.toml writes it (a string quoted)."""
+    if isinstance(x, bool):
+        return "true" if x else "false"
+    return _plain_text(x) if isinstance(x, (int, float)) else json.dumps(str(x))
 
 
 @dataclass(frozen=True)
@@ -454,27 +563,75 @@ class Branch:
 
 def read_config(path: Optional[Path], cwd: Optional[Path] = None) -> tuple[dict, Optional[Path]]:
     """The parsed TOML of `path` (--config), else of ./specquant.toml when present: (tables, file); ({}, None)
-    when there is none. The one reader of the file: the settings' tables and the router's come from it."""
+    when there is none. The one reader of the file: the settings' tables and the router's come from it. Bounded:
+    at most MAX_CONFIG_BYTES are read (a device such as /dev/zero is refused, a pipe read that far), a UTF-8
+    byte-order mark is named, and nesting deeper than MAX_CONFIG_DEPTH is one line, not a RecursionError."""
     import tomllib
 
     from specquant_cli.errors import InputError
-    from specquant_cli.inputs import decode_input
+    from specquant_cli.inputs import decode_file
 
     if path is None:
         candidate = (cwd or Path.cwd()) / CONFIG_NAME
         if not candidate.is_file():
             return {}, None
         path = candidate
+    raw = _read_config_bytes(Path(path))
+    text = decode_file(raw, f"config {path}")
     try:
-        raw = Path(path).read_bytes()
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"{path}: not valid TOML ({e})") from None
+    except RecursionError:
+        data = None
+    if data is None or _depth(data) > MAX_CONFIG_DEPTH:
+        raise InputError(f"{path}: tables and arrays nest deeper than {MAX_CONFIG_DEPTH} levels; a config is a "
+                         "few flat tables")
+    return data, Path(path)
+
+
+def _read_config_bytes(path: Path) -> bytes:
+    """The config file's bytes, at most MAX_CONFIG_BYTES: a regular file or a pipe (`--config <(...)`); a
+    device or socket is no config."""
+    from specquant_cli.errors import InputError
+
+    try:
+        st = os.stat(path)
+        mode = st.st_mode
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
+            kind = "character device" if stat.S_ISCHR(mode) else "block device" if stat.S_ISBLK(mode) else "socket"
+            raise InputError(f"{path}: is a {kind}, not a config file; name a TOML file")
+        if stat.S_ISREG(mode) and st.st_size > MAX_CONFIG_BYTES:
+            raise InputError(_too_big(path))
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise InputError(f"{path}: no such config file") from None
     except OSError as e:
         raise InputError(f"{path}: cannot read config ({e.strerror})") from None
-    try:
-        return tomllib.loads(decode_input(raw, f"config {path}")), Path(path)
-    except tomllib.TOMLDecodeError as e:
-        raise InputError(f"{path}: not valid TOML ({e})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise InputError(_too_big(path))
+    return raw
+
+
+def _too_big(path: Path) -> str:
+    return f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB; a config file is a few settings"
+
+
+def _depth(data: Any) -> int:
+    """How deep tables and arrays nest in `data` (the document is level 1), counted without recursion; stops
+    counting past MAX_CONFIG_DEPTH."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        value, level = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_CONFIG_DEPTH:
+            break
+        stack.extend((c, level + 1) for c in children)
+    return deepest
 
 
 def read_toml(path: Optional[Path], cwd: Optional[Path] = None) -> tuple[dict, Optional[Path]]:
@@ -502,12 +659,18 @@ def _shown(raw: str) -> str:
     return text if text.isprintable() and text.strip() == text and text else repr(text)
 
 
+def with_companions(keys: Iterable[str]) -> list[str]:
+    """`keys` with each one's COMPANIONS after it (a command taking serving.api_key takes serving.api_key_file:
+    the keys are one thing, given two ways), each once."""
+    return list(dict.fromkeys(k for key in keys for k in (key, *COMPANIONS.get(key, ()))))
+
+
 def resolve(keys: Iterable[str], flags: Optional[Mapping[str, Any]] = None, config: Optional[Path] = None,
             environ: Optional[Mapping[str, str]] = None, cwd: Optional[Path] = None) -> Settings:
-    """The settings `keys` (and GLOBAL_KEYS), each from the last of: its default, specquant.toml (`config`, else
-    ./specquant.toml), its environment variable (an empty one is unset), `flags` (values given on the command
-    line, already checked by their options). Raises errors.InputError naming the variable or file of a bad value.
-    Threads 0 is decided here: every core."""
+    """The settings `keys` (their COMPANIONS and GLOBAL_KEYS too), each from the last of: its default,
+    specquant.toml (`config`, else ./specquant.toml), its environment variable (an empty one is unset), `flags`
+    (values given on the command line, already checked by their options). Raises errors.InputError naming the
+    variable or file of a bad value (never a secret's value). Threads 0 is decided here: every core."""
     from specquant_cli.errors import InputError
 
     table = settings_table()
@@ -515,7 +678,7 @@ def resolve(keys: Iterable[str], flags: Optional[Mapping[str, Any]] = None, conf
     environ = os.environ if environ is None else environ
     toml, toml_path = read_toml(config, cwd)
     values: dict[str, Value] = {}
-    for key in dict.fromkeys([*keys, *GLOBAL_KEYS]):
+    for key in with_companions([*keys, *GLOBAL_KEYS]):
         s = table[key]
         v = Value(s.default, "default")
         if s.name in toml.get(s.branch, {}):
@@ -529,7 +692,7 @@ def resolve(keys: Iterable[str], flags: Optional[Mapping[str, Any]] = None, conf
             try:
                 v = Value(s.convert(raw), "env", s.env)
             except SettingError as e:
-                raise InputError(f"{s.env}={_shown(raw)}: {e}") from None
+                raise InputError(f"{s.env}={'***' if s.secret else _shown(raw)}: {e}") from None
         if key in flags:
             v = Value(flags[key], "flag", s.flag or "")
         values[key] = v

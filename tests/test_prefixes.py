@@ -271,15 +271,16 @@ def test_a_file_made_with_another_key_or_a_hostile_header_is_refused(tmp_path):
     assert c.status()["entries"] == 0 and c.status()["refused_files"] == 5
 
 
-def test_the_folder_keeps_files_this_server_did_not_write(tmp_path):
+def test_the_folder_keeps_files_its_ram_does_not_hold(tmp_path):
     one = size_of(20, 100)
     writer = PromptCache(10 * one, "t", tmp_path, key=KEY)
     for k in range(3):
         writer.put([k] * 20, state(100))
     assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 3
-    small = PromptCache(one, "t", tmp_path, key=KEY)  # holds one of them; the others' files stay
+    small = PromptCache(one, "t", tmp_path, key=KEY, disk_budget=10 * one)  # holds the newest; the files stay
     assert small.status()["entries"] == 1 and small.bytes <= small.budget
-    small.put([9] * 20, state(100))  # evicts the one it read: that file stays too
+    assert small.best([2] * 20)[1] == 20  # the newest file is the one read
+    small.put([9] * 20, state(100))  # evicts the one it read from RAM: its file stays (the folder has room)
     assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 4
 
 

@@ -45,6 +45,8 @@ def _callback(s: Setting):
         except SettingError as e:
             if not s.usage:
                 raise InputError(str(e)) from None
+            if s.secret:  # the reason alone: a secret is never echoed
+                raise typer.BadParameter(str(e)) from None
             raise typer.BadParameter(f"{value if str(value).strip() else repr(value)}: {e}") from None
 
     return check
@@ -56,6 +58,8 @@ def _option(s: Setting):
         kw["show_default"] = s.shown
     if s.secret:
         kw["show_default"] = False
+    if s.repeat:  # one value per use of the flag: named by the setting's last word (--api-key KEY)
+        kw["metavar"] = s.name.rsplit("_", 1)[-1].upper()
     if s.lo is not None:
         kw["min"] = s.lo if s.kind is float else int(s.lo)
     if s.hi is not None:
@@ -65,13 +69,20 @@ def _option(s: Setting):
 
 
 def _annotation(s: Setting):
+    """The option's type: a list for a setting whose flag may be repeated (Setting.repeat)."""
+    if s.repeat:
+        return Optional[list[s.kind]]
     return Optional[s.kind] if s.optional else s.kind
 
 
 def with_settings(*keys: str):
     """Decorator of a command function: it takes the settings `keys` as options (in this order, after its own)
     and --config, and receives them resolved as its `cfg` parameter (settings.Settings). Resolution errors (a bad
-    variable or specquant.toml value) are one line naming where the value came from."""
+    variable or specquant.toml value) are one line naming where the value came from. A key's companions
+    (settings.COMPANIONS: --api-key-file with --api-key) come with it."""
+    from specquant_cli.settings import with_companions
+
+    keys = tuple(with_companions(keys))
 
     def deco(fn):
         table = settings_table()

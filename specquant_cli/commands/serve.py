@@ -10,8 +10,11 @@ HELP = ("Serve a family over an OpenAI-compatible HTTP API: /v1/chat/completions
         "Concurrent requests decode together (--parallel): each in its own sequence, with its own plan, and every "
         "parent call shared by all that need one; the rest wait in a bounded queue (a full queue answers 429). The "
         "policy per request comes from the body's specquant_policy or the x-specquant-policy header, else --policy. "
-        "Binds to 127.0.0.1 unless --host says otherwise; with --api-key (or $SPECQUANT_API_KEY) every /v1 request "
-        "needs Authorization: Bearer KEY (GET /health and the chat page at / do not). One log line per request on "
+        "Binds to 127.0.0.1 unless --host says otherwise; with --api-key (or $SPECQUANT_API_KEY; repeat it, or give "
+        "--api-key-file, for several) every /v1 request needs Authorization: Bearer KEY (GET /health, which then "
+        "says only whether the server lives, and the chat page at / do not). Each key is a tenant: the prompt cache, "
+        "the slots' cells and the drafting memory are never shared across keys (a request's cache_salt narrows "
+        "them further); a server without a key is one tenant. One log line per request on "
         "stderr; SIGINT/SIGTERM stop cleanly.")
 
 SETTINGS = ("decoding.policy", "serving.policies", "serving.host", "serving.port", "serving.api_key",
@@ -20,6 +23,7 @@ SETTINGS = ("decoding.policy", "serving.policies", "serving.host", "serving.port
             "runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc",
             "runtime.rpc_timeout",
             "decoding.draft_memory", "serving.prompt_cache", "serving.cache_ram", "serving.cache_dir",
+            "serving.cache_disk",
             "serving.prefill_chunk")
 
 

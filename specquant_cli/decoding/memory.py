@@ -9,7 +9,11 @@ are skipped from then on, and the index is rebuilt once the dead entries outnumb
 
 Thread-safe: one lock around every read and write (a lookup is a few dict reads, far below a model call).
 Only verified tokens are written (the parent's own sequence); a drafter that looks up a longer sequence
-(a second level, after unverified drafts) reads without writing."""
+(a second level, after unverified drafts) reads without writing.
+
+Each document belongs to a scope (a server's tenant, narrowed by a request's `cache_salt`): a lookup finds only
+its own scope's documents, so what one tenant asked never drafts, or speeds up, another's answer. The scopes share
+the memory's one budget (`ScopedMemory` is one scope's view)."""
 
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ class DraftMemory:
         self.max_tokens = tokens_for() if max_tokens is None else max(0, int(max_tokens))
         self._lock = threading.Lock()
         self._docs: dict[int, list[int]] = {}
+        self._scope: dict[int, str] = {}  # document -> the scope it belongs to
         self._lru: OrderedDict[int, None] = OrderedDict()  # oldest use first
         # hash of a k-gram -> the packed position that followed it, or a list of them once there are several
         self._index: dict[int, object] = {}
@@ -57,11 +62,12 @@ class DraftMemory:
         self.evicted = 0  # documents dropped for the budget
 
     # -- writing -----------------------------------------------------------------------------------
-    def new_doc(self) -> int:
+    def new_doc(self, scope: str = "") -> int:
         with self._lock:
             doc = self._next
             self._next += 1
             self._docs[doc] = []
+            self._scope[doc] = scope
             self._lru[doc] = None
             return doc
 
@@ -105,6 +111,7 @@ class DraftMemory:
                 break
             del self._lru[doc]
             body = self._docs.pop(doc)
+            del self._scope[doc]
             self.tokens -= len(body)
             self._live -= _entries_of(len(body))
             self.evicted += 1
@@ -120,14 +127,14 @@ class DraftMemory:
                 self._push(doc, docs[doc], t)
 
     # -- reading -----------------------------------------------------------------------------------
-    def match(self, seq: Sequence[int]) -> tuple[int, list[int]]:
-        """(match length, packed positions that followed it): the longest suffix of `seq` seen before, its
-        most recent occurrences (MAX_CANDIDATES), those with the longest backward extension."""
+    def match(self, seq: Sequence[int], scope: str = "") -> tuple[int, list[int]]:
+        """(match length, packed positions that followed it): the longest suffix of `seq` seen before in `scope`'s
+        documents, its most recent occurrences (MAX_CANDIDATES), those with the longest backward extension."""
         with self._lock:
             for k in range(min(MAX_K, len(seq) + 1), MIN_K - 1, -1):
                 found = self._index.get(hash(tuple(seq[len(seq) - (k - 1):])))
                 hits = [p for p in (found if isinstance(found, list) else () if found is None else (found,))
-                        if (p >> _SHIFT) in self._docs][-MAX_CANDIDATES:]
+                        if self._scope.get(p >> _SHIFT) == scope][-MAX_CANDIDATES:]
                 lens = [self._extend_back(seq, p, 0) for p in hits]  # from 0: a hash collision matches nothing
                 hits = [(p, n) for p, n in zip(hits, lens) if n >= k - 1]
                 if not hits:
@@ -167,7 +174,35 @@ class DraftMemory:
         """What the memory holds: documents, tokens, its budget (tokens and estimated bytes), evictions."""
         with self._lock:
             return {"documents": len(self._docs), "tokens": self.tokens, "max_tokens": self.max_tokens,
-                    "bytes_estimate": self.tokens * BYTES_PER_TOKEN, "evicted": self.evicted}
+                    "bytes_estimate": self.tokens * BYTES_PER_TOKEN, "evicted": self.evicted,
+                    "scopes": len(set(self._scope.values()))}
+
+
+class ScopedMemory:
+    """One scope's view of a DraftMemory: the documents it writes are its own, and it finds only those."""
+
+    def __init__(self, memory: DraftMemory, scope: str = ""):
+        self.memory = memory
+        self.scope = scope
+
+    @property
+    def max_tokens(self) -> int:
+        return self.memory.max_tokens
+
+    def new_doc(self) -> int:
+        return self.memory.new_doc(self.scope)
+
+    def append(self, doc: int, tokens: Sequence[int]) -> bool:
+        return self.memory.append(doc, tokens)
+
+    def match(self, seq: Sequence[int]) -> tuple[int, list[int]]:
+        return self.memory.match(seq, self.scope)
+
+    def walk(self, cands: list[int], limit: int, min_prob: float) -> list[int]:
+        return self.memory.walk(cands, limit, min_prob)
+
+    def use(self) -> dict:
+        return self.memory.use()
 
 
 class Recorder:

@@ -19,7 +19,7 @@ DRAFT_WINDOW = 128
 
 class DraftHost(Protocol):
     """What a drafter spec may ask of the runtime that builds it (runtime.drafters.DrafterCache): settings,
-    models, measured costs, and the other drafters of the same scope (the policy being built for)."""
+    models, measured costs, and the other drafters of the same policy (the one being built for) and scope."""
 
     p_min: Optional[float]
     kv_import: bool
@@ -27,7 +27,7 @@ class DraftHost(Protocol):
     def context(self, role: str) -> TokenContext: ...
 
     def drafter(self, name: str, target: str) -> Drafter:
-        """Another registered drafter, from the same scope (a persistent one shared with it)."""
+        """Another registered drafter, of the same policy and scope (a persistent one shared with it)."""
         ...
 
     def verify_cost(self) -> Callable[[int], float]:
@@ -45,7 +45,8 @@ class DraftHost(Protocol):
         ...
 
     def memory(self):
-        """The drafting memory of this scope (decoding.memory.DraftMemory), shared by every drafter of it."""
+        """The drafting memory of this policy as this scope sees it (decoding.memory.ScopedMemory), shared by every
+        drafter of them."""
         ...
 
 
@@ -53,13 +54,15 @@ class DraftHost(Protocol):
 class DrafterSpec:
     """name: the drafter's registry key; roles: family roles it loads (none for draft-free drafters);
     build(host, target_role) -> Drafter; persistent: the runtime keeps one instance for the whole session
-    (a drafter with memory across requests), otherwise it builds a fresh one per answer."""
+    (a drafter with memory across requests), otherwise it builds a fresh one per answer; memory: it reads and
+    writes its policy's drafting memory (counted by serve's memory check)."""
 
     name: str
     roles: tuple[str, ...]
     build: Callable[[DraftHost, str], Drafter]
     persistent: bool = False
     help: str = ""
+    memory: bool = False
 
 
 DRAFTERS: dict[str, DrafterSpec] = {}
@@ -99,7 +102,7 @@ LEVEL2_MAX = 7
 
 def _stacked(role: str, first=None):
     """`role` drafts, its own steps speculated by suffix drafts (a second level). Alone, its lower level writes
-    the sequence into the scope's memory and reads it; beside a first-level suffix drafter (`first`, of the
+    the sequence into the policy's memory and reads it; beside a first-level suffix drafter (`first`, of the
     same answer), it reads what that one writes."""
     def build(host: DraftHost, target: str) -> Drafter:
         from specquant_cli.decoding.drafters import ModelDrafter
@@ -150,7 +153,7 @@ for _spec in (
     DrafterSpec("q8", ("q8",), _model("q8"), help="the q8 variant drafts"),
     DrafterSpec("ngram+q4", ("q4",), _ngram_then_q4,
                 help="n-gram drafts when the context offers them, q4 drafts after 32 tokens otherwise"),
-    DrafterSpec("suffix", (), _suffix, persistent=True,
+    DrafterSpec("suffix", (), _suffix, persistent=True, memory=True,
                 help="suffix-match drafts over everything the session has seen (no model call)"),
 ):
     register_drafter(_spec)
@@ -162,17 +165,17 @@ def register_role_drafters(role: str) -> None:
     policy), unless those names are taken. Every non-parent role of a loaded family gets them, so a variant
     made by `quantize --grade BPW --role NAME` drafts like the built-in ones (`spec-NAME`, auto)."""
     rows = (
-        (role, _model(role), f"the {role} variant drafts"),
+        (role, _model(role), f"the {role} variant drafts", False),
         (f"stacked-{role}", _stacked(role), f"{role} drafts, its own steps speculated by suffix drafts (a second "
-                                            f"level {role} verifies in one call)"),
+                                            f"level {role} verifies in one call)", True),
         (f"suffix+{role}", _suffix_then(role), f"suffix drafts on copy runs, {role} drafts (own adaptive length) "
-                                               "elsewhere"),
+                                               "elsewhere", True),
         (f"suffix+stacked-{role}", _suffix_then(role, stacked=True),
-         f"suffix drafts on copy runs, stacked {role} drafts (own adaptive length) elsewhere"),
+         f"suffix drafts on copy runs, stacked {role} drafts (own adaptive length) elsewhere", True),
     )
-    for name, build, help_ in rows:
+    for name, build, help_, memory in rows:
         if name not in DRAFTERS:
-            register_drafter(DrafterSpec(name, (role,), build, help=help_))
+            register_drafter(DrafterSpec(name, (role,), build, help=help_, memory=memory))
 
 
 for _role in builtin_draft_roles():

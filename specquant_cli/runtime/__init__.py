@@ -96,7 +96,7 @@ class Runtime:
                 done.append(r)
         return done
 
-    def engine(self, plan: Plan, sp: SamplingParams, position: int = 0) -> Engine:
+    def engine(self, plan: Plan, sp: SamplingParams, position: int = 0, scope: str = "") -> Engine:
         """An engine for `plan`: loads the plan's roles (placement-checked), builds its drafter (scoped to the
         plan's policy) and γ policy. A planned answer (a policy with a planner) drafts under a rate guard: it
         goes on with the parent alone once its drafting runs below the parent's rate (decoding.gamma.RateGuard).
@@ -104,9 +104,11 @@ class Runtime:
         Args:
             plan: from `routing.policies.plan_for` (or a policy's own planner).
             sp: sampling parameters; greedy when temperature is 0.
-            position: the prompt's length (where the answer starts in the context)."""
+            position: the prompt's length (where the answer starts in the context).
+            scope: the request's scope (a server's tenant and cache_salt; "" alone): the part of the drafting memory
+                the drafter reads and writes."""
         self.pool.ensure(plan.roles)
-        drafter = self.drafters.drafter(plan.drafter, plan.target, plan.policy) if plan.drafter else None
+        drafter = self.drafters.drafter(plan.drafter, plan.target, plan.policy, scope) if plan.drafter else None
         gamma = self.costs.gamma_policy(plan) if drafter else FixedGamma(0)
         step = self.costs.parent_step_s() if drafter and policy_spec(plan.policy).planner is not None else None
         if step is not None:

@@ -1,22 +1,26 @@
 """The drafter cache: drafters built from their registry specs (decoding.registry), a persistent one kept
-per scope, and one drafting memory per scope (decoding.memory.DraftMemory) that every drafter of the scope
-reads and writes. The scope is the policy a drafter is built for: what one policy's drafters remember never
-feeds another's, so a bench that runs several policies on the same prompt does not hand one the answer
-another just produced. A server's slots share their scopes' memories (`with_models`): every request of a
-policy drafts from what the others have written."""
+per policy and scope, and one drafting memory per policy (decoding.memory.DraftMemory) that every drafter of the
+policy reads and writes: what one policy's drafters remember never feeds another's, so a bench that runs several
+policies on the same prompt does not hand one the answer another just produced. A server's slots share the
+policies' memories (`with_models`): every request of a policy drafts from what the others have written — within
+its scope (its tenant, narrowed by its cache_salt): a memory is read and written through the request's scope
+(decoding.memory.ScopedMemory), and persistent drafters are kept per scope."""
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
-from specquant_cli.decoding.memory import DraftMemory, tokens_for
+from specquant_cli.decoding.memory import DraftMemory, ScopedMemory, tokens_for
 from specquant_cli.decoding.protocols import Drafter, TokenContext
 from specquant_cli.decoding.registry import drafter_spec
 from specquant_cli.runtime.costs import CostModel
 from specquant_cli.runtime.pool import Models
+
+MAX_KEPT = 64  # persistent drafters kept (per policy, drafter and scope), least recently used out
 
 
 class DrafterCache:
@@ -30,37 +34,41 @@ class DrafterCache:
         self.p_min = p_min
         self.kv_import = kv_import
         self.memory_tokens = tokens_for() if memory_tokens is None else memory_tokens
-        self._kept: dict[tuple[str, str, str], Drafter] = {}
+        self._kept: OrderedDict[tuple[str, str, str, str], Drafter] = OrderedDict()
         self._memories: dict[str, DraftMemory] = memories if memories is not None else {}
         self._memory_lock = threading.Lock()
 
-    def memory(self, scope: str) -> DraftMemory:
-        """The drafting memory of `scope` (made on first use), shared with every cache made by `with_models`;
-        each holds at most `memory_tokens` (the budget is per policy that drafts from a memory). A budget of 0
-        shares nothing: each call gets a memory of its own, which keeps just the sequence being written."""
+    def memory(self, policy: str, scope: str = "") -> ScopedMemory:
+        """The drafting memory of `policy` (made on first use), shared with every cache made by `with_models`, as
+        requests of `scope` see it; each holds at most `memory_tokens` (the budget is per policy that drafts from a
+        memory, shared by its scopes). A budget of 0 shares nothing: each call gets a memory of its own, which keeps
+        just the sequence being written."""
         if self.memory_tokens == 0:
-            return DraftMemory(0)
+            return ScopedMemory(DraftMemory(0), scope)
         with self._memory_lock:
-            mem = self._memories.get(scope)
+            mem = self._memories.get(policy)
             if mem is None:
-                mem = self._memories[scope] = DraftMemory(self.memory_tokens)
-            return mem
+                mem = self._memories[policy] = DraftMemory(self.memory_tokens)
+            return ScopedMemory(mem, scope)
 
     def memory_use(self) -> dict[str, dict]:
-        """Each scope's memory use (DraftMemory.use)."""
-        return {scope: m.use() for scope, m in list(self._memories.items())}
+        """Each policy's memory use (DraftMemory.use)."""
+        return {policy: m.use() for policy, m in list(self._memories.items())}
 
-    def drafter(self, name: str, target: str, scope: str) -> Drafter:
+    def drafter(self, name: str, target: str, policy: str, scope: str = "") -> Drafter:
         """The named drafter for `target`'s verification; a persistent one is kept for the session, one per
-        `scope`, a fresh one is built otherwise. Loads the roles it needs (placement-checked)."""
+        `policy` and `scope`, a fresh one is built otherwise. Loads the roles it needs (placement-checked)."""
         spec = drafter_spec(name)
-        key = (scope, name, target)
+        key = (scope, policy, name, target)
         if spec.persistent and key in self._kept:
+            self._kept.move_to_end(key)
             return self._kept[key]
         self.pool.ensure([target, *spec.roles])
-        d = spec.build(_Host(self, scope), target)
+        d = spec.build(_Host(self, policy, scope), target)
         if spec.persistent:
             self._kept[key] = d
+            while len(self._kept) > MAX_KEPT:
+                self._kept.popitem(last=False)
         return d
 
     def with_models(self, pool: Models, costs: CostModel) -> DrafterCache:
@@ -75,10 +83,11 @@ class DrafterCache:
 @dataclass
 class _Host:
     """What a drafter spec's `build` sees (decoding.registry.DraftHost): the cache's settings and models, the
-    cost model, and the scope it builds for (a drafter made of others gets theirs from the same scope)."""
+    cost model, and the policy and scope it builds for (a drafter made of others gets theirs from the same)."""
 
     cache: DrafterCache
-    scope: str
+    policy: str
+    scope: str = ""
 
     @property
     def p_min(self) -> Optional[float]:
@@ -92,7 +101,7 @@ class _Host:
         return self.cache.pool.context(role)
 
     def drafter(self, name: str, target: str) -> Drafter:
-        return self.cache.drafter(name, target, self.scope)
+        return self.cache.drafter(name, target, self.policy, self.scope)
 
     def verify_cost(self) -> Callable[[int], float]:
         return self.cache.costs.verify_cost()
@@ -104,4 +113,4 @@ class _Host:
         return self.cache.costs.draft_cost(role)
 
     def memory(self):
-        return self.cache.memory(self.scope)
+        return self.cache.memory(self.policy, self.scope)

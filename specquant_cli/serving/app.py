@@ -12,10 +12,11 @@ import json
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from dataclasses import replace
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -82,12 +83,16 @@ def create_app(svc: Service):
         return JSONResponse(error_body("invalid request", code="invalid_value"), status_code=400)
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        """Liveness for anyone; the server's state (its queue, caches and memories) only with a key, or on a server
+        without one."""
         stopping = svc.worker.stopping
         state = "parent_lost" if svc.worker.lost else "shutting_down" if stopping else "ok"
-        body = {"status": state, "family": svc.family.name, "policy": svc.default_policy,
-                "kv": svc.kv, "draft_memory": svc.runtime.drafters.memory_use(),
-                "prompt_cache": svc.prompt_cache_status(), **svc.worker.status()}
+        body = {"status": state}
+        if svc.api_key is None or _notes(request).get("tenant") is not None:
+            body |= {"family": svc.family.name, "policy": svc.default_policy,
+                     "kv": svc.kv, "draft_memory": svc.runtime.drafters.memory_use(),
+                     "prompt_cache": svc.prompt_cache_status(), **svc.worker.status()}
         return JSONResponse(body, status_code=503 if stopping else 200)
 
     @app.get("/metrics")
@@ -115,7 +120,7 @@ def create_app(svc: Service):
     async def completions(request: Request):
         return await _generate(svc, request, metrics.observe(), chat=False)
 
-    return Guard(app, svc.api_key, public=PUBLIC_PATHS, policy=svc.origin_policy)
+    return Guard(app, svc.api_keys, public=PUBLIC_PATHS, policy=svc.origin_policy)
 
 
 def _add_page(app: FastAPI) -> None:
@@ -170,6 +175,7 @@ async def _admit(svc: Service, request: Request, obs: Observation, chat: bool) -
             return svc.policy_for(p or header_policy, "specquant_policy" if p else POLICY_HEADER)
 
         params = (chat_params if chat else completion_params)(body, resolve)
+        params = replace(params, scope=svc.scope_of(_notes(request).get("tenant") or "", params.salt))
         job = Job(params, asyncio.get_running_loop())
         svc.worker.submit(job)
     except ApiError:
@@ -365,13 +371,15 @@ def _notes(request: Request) -> dict:
 class Guard:
     """Outermost ASGI layer, in this order: the Host and Origin checks (serving.security: a web page the user
     visits cannot drive the server), CORS preflights of allowed origins, JSON-only POST bodies, Bearer auth
-    (constant-time; not for a GET or HEAD of a `public` path); one stderr log line per request, no tracebacks
-    out."""
+    against every key the server holds (constant-time, each key compared; not needed for a GET or HEAD of a
+    `public` path, though checked when sent); the key that matched is the request's tenant (its note "tenant");
+    one stderr log line per request, no tracebacks out."""
 
-    def __init__(self, app, api_key: Optional[str], log: Optional[Callable[[str], None]] = None,
+    def __init__(self, app, api_keys: Union[Sequence[str], str, None], log: Optional[Callable[[str], None]] = None,
                  public: Collection[str] = (), policy: OriginPolicy = OriginPolicy()):
         self.app = app
-        self._key = api_key.encode() if api_key else None
+        keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
+        self._keys = [k.encode() for k in keys if k]
         self._log = log or stderr_line
         self._public = frozenset(public)  # paths a GET or HEAD reaches without the key
         self._policy = policy
@@ -397,7 +405,7 @@ class Guard:
 
         try:
             refusal = self._refused(scope, cors)
-            denied = self._denied(scope) if refusal is None else None
+            denied = self._denied(scope, notes) if refusal is None else None
             if refusal is not None:
                 status, code, message = refusal
                 notes["error"] = message
@@ -446,16 +454,23 @@ class Guard:
                                                    "Content-Type: application/json")
         return None
 
-    def _denied(self, scope) -> Optional[str]:
-        if self._key is None or (scope.get("method") in ("GET", "HEAD") and scope.get("path") in self._public):
+    def _denied(self, scope, notes: dict) -> Optional[str]:
+        """Why the request may not pass (None: it may; a valid key's tenant goes to `notes`)."""
+        if not self._keys:
             return None
         auth = next((v for k, v in scope.get("headers", []) if k == b"authorization"), None)
         if auth is None:
+            if scope.get("method") in ("GET", "HEAD") and scope.get("path") in self._public:
+                return None
             return "missing API key: send the header Authorization: Bearer <key>"
         scheme, _, token = auth.partition(b" ")
-        # compare_digest on bytes of any length: the time does not depend on how much of the key matches
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+        token = token.strip()
+        # compare_digest on bytes of any length: the time does not depend on how much of a key matches; every key is
+        # compared, so neither does it depend on which one matched
+        found = [hmac.compare_digest(token, key) for key in self._keys]
+        if scheme.lower() != b"bearer" or not any(found):
             return "invalid API key"
+        notes["tenant"] = self._keys[found.index(True)].decode()
         return None
 
 

@@ -22,6 +22,7 @@ from specquant_cli.decoding.sampling import SamplingParams
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_INT = 2**31 - 1  # the largest token count (or top_k) a request may ask for; the context refuses far less
 MAX_SEED = 2**64 - 1  # as the CLI's --seed
+MAX_SALT = 256  # characters of a cache_salt
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
 
 
@@ -105,6 +106,9 @@ class _Common(_Lenient):
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, Any]] = None
     specquant_policy: Optional[Text] = None
+    # vLLM's field: the prompt cache, prefix sharing and drafting memory this request may use are narrowed to the
+    # requests of its tenant that send the same salt (never widened: another tenant's are never used)
+    cache_salt: Optional[Annotated[Text, AfterValidator(_non_empty), Field(max_length=MAX_SALT)]] = None
 
 
 class ChatRequest(_Common):
@@ -139,6 +143,8 @@ class GenerationParams:
     prompt: Optional[str] = None
     stream: bool = False
     include_usage: bool = False
+    salt: Optional[str] = None  # the body's cache_salt
+    scope: str = ""  # what the request may share with others (its tenant and salt: Service.scope_of), set on admission
 
 
 def _validate(model: type[BaseModel], body: Any) -> Any:
@@ -251,7 +257,8 @@ def chat_params(body: Any, resolve_policy: Callable[[Optional[str]], str]) -> Ge
     return GenerationParams(policy=resolve_policy(req.specquant_policy), sampling=_sampling(req),
                             max_tokens=req.max_completion_tokens or req.max_tokens, stop=_stops(req.stop),
                             messages=_messages(req.messages), stream=bool(req.stream),
-                            include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                            salt=req.cache_salt)
 
 
 def completion_params(body: Any, resolve_policy: Callable[[Optional[str]], str]) -> GenerationParams:
@@ -275,7 +282,8 @@ def completion_params(body: Any, resolve_policy: Callable[[Optional[str]], str])
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
     return GenerationParams(policy=resolve_policy(req.specquant_policy), sampling=_sampling(req),
                             max_tokens=req.max_tokens, stop=_stops(req.stop), prompt=prompt, stream=bool(req.stream),
-                            include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                            salt=req.cache_salt)
 
 
 # -- responses ----------------------------------------------------------------------------------------

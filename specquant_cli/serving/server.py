@@ -6,6 +6,7 @@ A second SIGINT forces the exit."""
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from specquant_cli.decoding.registry import register_family_drafters
 from specquant_cli.errors import InputError, ResourceError
 from specquant_cli.routing.policies import POLICIES, all_roles, check_policy, policy_spec
 from specquant_cli.serving.app import create_app
+from specquant_cli.serving.keys import api_keys
 from specquant_cli.serving.service import Service, stderr_line
 from specquant_cli.serving.slots import Slots, parallel_for
 from specquant_cli.settings import DEFAULT_PREFILL_CHUNK, SessionSettings, Settings, decide_cache_ram
@@ -38,7 +40,7 @@ class ServeOptions:
     parallel: int  # requests decoded together: the sequences every context holds
     host: str = "127.0.0.1"
     port: int = 8080
-    api_key: Optional[str] = None
+    api_key: Optional[str] = None  # the first of api_keys (None: none), for the code that knows one key
     max_queue: int = 32
     max_tokens: int = 512  # for requests that give none (clamped to what the context has left)
     max_body: int = 1 << 20
@@ -49,6 +51,106 @@ class ServeOptions:
     cache_ram: float = 0.0  # MiB of the prompt cache (0: none)
     cache_dir: Optional[Path] = None  # where the prompt cache is also written
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    api_keys: tuple[str, ...] = ()  # every key, each a tenant: the --api-key ones, then --api-key-file's, distinct
+    cache_disk: Optional[float] = None  # MiB the cache folder holds in all (None: cache_ram's)
+
+
+def protection_warnings(cfg: Settings) -> list[str]:
+    """One line for each setting of `cfg` that turns a protection of the server off, naming where it came from
+    (a specquant.toml in the current folder is read without a word, so its path is said): `*` in
+    serving.cors_origin (the cross-site guard), `*` in serving.allow_host (the DNS-rebinding guard), and a
+    non-loopback serving.host without any API key."""
+    out = []
+    v = cfg.values
+    if "serving.cors_origin" in v and "*" in (cfg.get("serving.cors_origin") or ()):
+        out.append(f"warning: {cfg.stated('serving.cors_origin')} turns the cross-site guard off: any web page "
+                   "can call this server")
+    if "serving.allow_host" in v and "*" in (cfg.get("serving.allow_host") or ()):
+        out.append(f"warning: {cfg.stated('serving.allow_host')} turns the DNS-rebinding guard off: a web page "
+                   "under any name that resolves to this machine can call this server")
+    keyed = any(k in v and cfg.get(k) is not None for k in ("serving.api_key", "serving.api_key_file"))
+    if "serving.host" in v and not _loopback(cfg.get("serving.host")) and not keyed:
+        out.append(f"warning: listening on {cfg.get('serving.host')} ({cfg.stated('serving.host')}) without an "
+                   "API key: anyone who can reach it can use it (set --api-key or --api-key-file)")
+    return out
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host in LOOPBACK or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def memory_policies(policies) -> list[str]:
+    """Those of `policies` that draft from a drafting memory of their own (runtime.drafters keeps one per policy,
+    each of decoding.draft_memory MiB): a policy whose drafter, on any tier, reads one (its registry spec says so:
+    DrafterSpec.memory), and one a planner decides (auto may pick those)."""
+    from specquant_cli.decoding.registry import DRAFTERS
+
+    out = []
+    for p in dict.fromkeys(policies):
+        spec = policy_spec(p)
+        drafters = {spec.drafter, *(spec.by_tier or {}).values()} - {None}
+        if spec.planner is not None or any(d in DRAFTERS and DRAFTERS[d].memory for d in drafters):
+            out.append(p)
+    return out
+
+
+def cache_floor_mib(family) -> float:
+    """The smallest prompt cache that holds one entry: CACHE_RAM_MIN_MIB, or the parent's state of the shortest
+    prefix the cache keeps (runtime.prefixes.MIN_REUSE tokens) where that is more."""
+    from specquant_cli.family.ggufio import kv_cache_bytes
+    from specquant_cli.runtime.prefixes import ENTRY_OVERHEAD, MIN_REUSE
+    from specquant_cli.settings import CACHE_RAM_MIN_MIB
+
+    try:
+        entry = kv_cache_bytes(dict(family.hparams), MIN_REUSE) + ENTRY_OVERHEAD
+    except (AttributeError, TypeError, ValueError):
+        entry = 0
+    return max(CACHE_RAM_MIN_MIB, entry / (1 << 20))
+
+
+def _check_cache_ram(cfg: Settings, family) -> None:
+    """A prompt cache given a budget (above 0: 0 is off) too small for one entry is refused: it would store
+    nothing, and --cache-dir with it nothing either. A budget the machine decided is never refused."""
+    s = cfg.serving
+    mib = s.cache_ram
+    if not s.prompt_cache or not mib or cfg.source("serving.cache_ram") == "machine":
+        return
+    floor = cache_floor_mib(family)
+    if mib < floor:
+        raise InputError(f"{cfg.stated('serving.cache_ram')}: a prompt cache of {mib:g} MiB holds no entry (one "
+                         f"takes ~{floor:.2f} MiB); give at least {math.ceil(floor * 100) / 100:g}, or 0 for none")
+
+
+def _check_memory(cfg: Settings, family, facts, policies: list[str], parallel: int, cache_ram: float) -> None:
+    """The placement check (system.placement.require_fit) of every role `policies` load, before any loads, with
+    what serve keeps beside the models: the prompt cache (cache_ram MiB) and one drafting memory of
+    decoding.draft_memory MiB per policy that drafts from one (memory_policies). With RPC workers the parent is
+    theirs (checked when it loads): the rest is checked here."""
+    from specquant_cli.family.roles import PARENT_ROLE
+    from specquant_cli.system.placement import require_fit
+
+    reserves = {}
+    if cache_ram:
+        given = cfg.stated("serving.cache_ram") if cfg.source("serving.cache_ram") != "machine" else "--cache-ram"
+        reserves[f"the prompt cache's {cache_ram / 1024:.2f} GiB ({given})"] = int(cache_ram * (1 << 20))
+    drafting = memory_policies(policies)
+    mib = cfg.decoding.draft_memory if "decoding.draft_memory" in cfg.values else 0.0
+    if drafting and mib:
+        given = cfg.stated("decoding.draft_memory") if cfg.source("decoding.draft_memory") != "default" \
+            else "--draft-memory"
+        reserves[f"the drafting memories' {len(drafting) * mib / 1024:.2f} GiB ({len(drafting)} "
+                 f"{'policy' if len(drafting) == 1 else 'policies'} × {mib:g} MiB, {given})"] = \
+            int(len(drafting) * mib * (1 << 20))
+    roles = all_roles(policies)
+    if cfg.runtime.rpc:
+        roles = [r for r in roles if r != PARENT_ROLE]
+    require_fit(facts, family, roles, cfg.runtime.ctx * parallel, beside=reserves,
+                hint="lower --draft-memory or offer fewer policies (--policies)" if drafting and mib else "")
 
 
 def serve_settings(cfg: Settings, family, facts=None, report=None) -> tuple[Settings, ServeOptions]:
@@ -59,6 +161,9 @@ def serve_settings(cfg: Settings, family, facts=None, report=None) -> tuple[Sett
     that the sequences are decided by them, as at every later start; without such a policy, or with RPC
     workers, the prior cost curve decides."""
     policy = cfg.decoding.policy
+    keys = api_keys(cfg)  # a bad key file stops here, before anything loads
+    for line in protection_warnings(cfg):
+        stderr_line(line)
     offered = list(cfg.serving.policies or [])
     if not offered:
         have = set(family.roles())
@@ -67,25 +172,30 @@ def serve_settings(cfg: Settings, family, facts=None, report=None) -> tuple[Sett
                     if f"spec-{r}" not in offered]  # roles made by quantize --grade --role NAME
     if policy not in offered:
         raise InputError(f"--policy {policy} must be one of --policies ({', '.join(offered)})")
+    if facts is None:
+        from specquant_cli.system.hardware import detect
+
+        facts = detect()
+    if cfg.serving.cache_ram is None:
+        cfg = decide_cache_ram(cfg, facts.ram_available)
+    _check_cache_ram(cfg, family)
+    cache_ram = cfg.serving.cache_ram if cfg.serving.prompt_cache else 0.0
     if cfg.runtime.parallel is None:
         n, why = parallel_for(family, facts, cfg.runtime.threads, cfg.runtime.rpc or [])
         if why is None and not cfg.runtime.rpc and any(policy_spec(p).planner is not None for p in offered):
+            _check_memory(cfg, family, facts, [policy, *offered], 1, cache_ram)  # before measuring loads them
             _measure_costs(cfg, family, facts, report)
             n, why = parallel_for(family, facts, cfg.runtime.threads, [])
         cfg = cfg.decided("runtime.parallel", n, why or "the prior cost curve (no calibration for this machine)")
-    if cfg.serving.cache_ram is None:
-        from specquant_cli.system.hardware import detect
-
-        cfg = decide_cache_ram(cfg, (facts if facts is not None else detect()).ram_available)
+    _check_memory(cfg, family, facts, [policy, *offered], cfg.runtime.parallel, cache_ram)
     s, v = cfg.serving, cfg.values["runtime.parallel"]
-    cache_ram = s.cache_ram if s.prompt_cache else 0.0
     if s.cache_dir is not None and not cache_ram:
         stderr_line(f"warning: --cache-dir {s.cache_dir} is not used: the prompt cache is off "
                     f"({'--no-prompt-cache' if not s.prompt_cache else '--cache-ram 0'})")
-    return cfg, ServeOptions(policy, tuple(offered), cfg.runtime.parallel, s.host, s.port, s.api_key or None,
+    return cfg, ServeOptions(policy, tuple(offered), cfg.runtime.parallel, s.host, s.port, keys[0] if keys else None,
                              s.queue, s.max_tokens, s.max_body, v.origin or v.source, tuple(s.allow_host or ()),
                              tuple(s.cors_origin or ()), s.prompt_cache, cache_ram, s.cache_dir if cache_ram else None,
-                             s.prefill_chunk)
+                             s.prefill_chunk, keys, s.cache_disk)
 
 
 def _measure_costs(cfg: Settings, family, facts, report) -> None:
@@ -111,10 +221,11 @@ def build_service(family, cfg: Settings, opts: ServeOptions, report=None, facts=
     if opts.cache_dir is not None:
         from specquant_cli.family.manifest import MANIFEST
         from specquant_cli.fsutil import check_folder_writable
+        from specquant_cli.runtime.prefixes import private_folder
 
         if (opts.cache_dir / MANIFEST).exists():
             raise InputError(f"--cache-dir: {opts.cache_dir} is a family folder; name a folder of its own")
-        check_folder_writable(opts.cache_dir, "--cache-dir", create=True)
+        check_folder_writable(private_folder(opts.cache_dir, "--cache-dir", report), "--cache-dir")
     session = open_session(SessionSettings.of(cfg, parallel=opts.parallel, facts=facts, cache_ram=opts.cache_ram),
                            family=family, **({"report": report} if report is not None else {}))
     runtime = session.runtime
@@ -148,7 +259,8 @@ def share_prefixes(runtime, slots, opts: ServeOptions, report=None):
     cache = None
     if opts.prompt_cache and opts.cache_ram > 0:
         cache = PromptCache(int(opts.cache_ram * (1 << 20)), cache_tag(runtime.family, runtime.pool.n_ctx),
-                            opts.cache_dir, report, key=user_key() if opts.cache_dir is not None else None)
+                            opts.cache_dir, report, key=user_key() if opts.cache_dir is not None else None,
+                            disk_budget=int(opts.cache_disk * (1 << 20)) if opts.cache_disk else None)
     if slots is None:
         return PrefixSharing([runtime.pool.context(PARENT_ROLE)], cache, threading.RLock(), reuse=opts.prompt_cache)
     views = [rt.pool.context(PARENT_ROLE) for rt in slots.runtimes]
@@ -156,11 +268,9 @@ def share_prefixes(runtime, slots, opts: ServeOptions, report=None):
 
 
 def run(svc: Service, opts: ServeOptions, say=None) -> None:
-    """Serve until SIGINT/SIGTERM, then stop the worker and free the models."""
+    """Serve until SIGINT/SIGTERM, then stop the worker and free the models. The settings that turn a protection
+    off were said by serve_settings (protection_warnings), before anything loaded."""
     say = say or stderr_line
-    if opts.host not in LOOPBACK and not svc.api_key:
-        say(f"warning: listening on {opts.host} without an API key: anyone who can reach it can use it "
-            "(set --api-key or SPECQUANT_API_KEY)")
     config = uvicorn.Config(create_app(svc), host=opts.host, port=opts.port, log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     server = _Server(config, svc, opts, say)
@@ -190,6 +300,15 @@ def _join_engine(svc: Service, say) -> None:
     svc.runtime.close()
 
 
+def tenants_said(n_keys: int) -> str:
+    """How the start-up line says who shares what: each API key is a tenant of its own."""
+    if n_keys == 0:
+        return "no API key: one tenant, every client shares the prompt cache and the drafting memory"
+    if n_keys == 1:
+        return "API key required: one tenant"
+    return f"{n_keys} API keys: {n_keys} tenants, none sees another's prompt cache or drafting memory"
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, told about the signal: the worker stops the running answer at once (uvicorn alone
     would wait for the stream to finish), and the signal is not re-raised after a clean shutdown."""
@@ -212,7 +331,7 @@ class _Server(uvicorn.Server):
                       f"{self._opts.parallel} at once "
                       f"({self._opts.parallel_from}), "
                       f"queue {self._opts.max_queue}, "
-                      f"{'API key required' if self._svc.api_key else 'no API key'})")
+                      f"{tenants_said(len(self._svc.api_keys))})")
 
     def handle_exit(self, sig: int, frame) -> None:
         self._svc.exiting.set()

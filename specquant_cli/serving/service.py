@@ -1,8 +1,15 @@
 """What the routes need (`Service`): the family, the sessions (one per slot), the worker that runs them, the
-policies on offer and the request limits; and what happens when the parent's RPC workers are lost."""
+policies on offer and the request limits, the tenants; and what happens when the parent's RPC workers are lost.
+
+Tenants: each API key the server holds is a tenant (a server without a key is one tenant). What a request may
+share with earlier ones — its slot's cells, another slot's, the prompt cache's entries, the drafting memory — is
+its scope: its tenant, narrowed by its `cache_salt` (`scope_of`). Nothing crosses scopes, so neither the time to
+the first token nor `cached_tokens` says anything about another scope's prompts."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import os
 import sys
@@ -33,7 +40,10 @@ class Service:
             [session.for_runtime(rt, LockedRouter(session.router, slots.route_lock())) for rt in slots.runtimes]
         self.default_policy = opts.policy
         self.policies = list(opts.policies)
-        self.api_key = opts.api_key or None
+        self.api_keys = tuple(getattr(opts, "api_keys", ()) or ((opts.api_key,) if opts.api_key else ()))
+        self.api_key = self.api_keys[0] if self.api_keys else None
+        # what scope names are made with: the prompt cache's key (its files outlive the process), else this process's
+        self._scope_key = prefixes.cache.key if prefixes is not None and prefixes.cache is not None else os.urandom(32)
         self.origin_policy = OriginPolicy.of(opts.host, opts.allow_hosts, opts.cors_origins)
         self.max_tokens = opts.max_tokens
         self.max_body = opts.max_body
@@ -87,11 +97,19 @@ class Service:
         prefix sharing)."""
         return self.prefixes.status() if self.prefixes is not None else None
 
+    def scope_of(self, tenant: str, salt: Optional[str]) -> str:
+        """The scope of a request of `tenant` (an API key, "" on a server without one) sending `salt` (its
+        cache_salt, or None): a name no one can derive from the other's, the same across restarts when the prompt
+        cache has a folder."""
+        data = tenant.encode() + b"\0" + (b"salt:" + salt.encode() if salt is not None else b"")
+        return hmac.new(self._scope_key, b"scope\0" + data, hashlib.sha256).hexdigest()[:32]
+
     def slot_for(self, params: GenerationParams, free: list[int]) -> int:
         """Of the `free` slots (least recently used first), the one this request's prompt costs least: the fewest
         held tokens given up (a conversation's last turn, held whole in its slot, gives up none; an empty slot
-        none), then the longest prefix shared with the prompt, then the least recently used. A prefix another slot
-        holds is copied from there (runtime.prefixes), so a shared system prompt need not pick the slot."""
+        none; a slot of another scope gives up all it holds and shares nothing), then the longest prefix shared
+        with the prompt, then the least recently used. A prefix another slot of the scope holds is copied from
+        there (runtime.prefixes), so a shared system prompt need not pick the slot."""
         if self.prefixes is None or len(free) == 1:
             return free[0]
         try:
@@ -104,7 +122,7 @@ class Service:
 
         def cost(i: int) -> tuple[int, int, int]:
             held = views[i].tokens
-            shared = common_prefix(held, prompt)
+            shared = common_prefix(held, prompt) if self.prefixes.scope(i) == params.scope else 0
             return len(held) - shared, -shared, free.index(i)
 
         return min(free, key=cost)
@@ -135,13 +153,15 @@ class Service:
     def generate(self, params: GenerationParams, slot: int = 0):
         """On slot `slot`'s thread: route, plan and return (answer, records) for one request."""
         session = self.sessions[slot]
+        if self.prefixes is not None and self.prefixes.enter(slot, params.scope):
+            session.runtime.pool.reset_caches()  # the drafts' sequences too: nothing of another scope stays
         limit = params.max_tokens
         if limit is None:  # OpenAI's "as long as the context allows", bounded by the server's default
             n_prompt = len(self.prompt_tokens(params))
             limit = max(1, min(self.max_tokens, self.runtime.pool.n_ctx - n_prompt))
         answer, records = session.ask_messages(params.messages or [], policy=params.policy,
                                                sampling=params.sampling, max_tokens=limit, stop=params.stop,
-                                               raw_prompt=params.prompt)
+                                               raw_prompt=params.prompt, scope=params.scope)
         return answer, records if self.slots is None else self.slots.member(records)
 
 

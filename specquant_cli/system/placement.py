@@ -3,6 +3,7 @@ family (parent + optional draft), refusing before anything loads a set that does
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -95,17 +96,24 @@ def family_placements(facts: Facts, fam, n_ctx: int) -> dict:
             if p in roles and (d is None or d in roles)}
 
 
-def require_fit(facts: Facts, fam, roles: list[str], n_ctx: int, reserve: int = 0) -> Placement:
+def require_fit(facts: Facts, fam, roles: list[str], n_ctx: int, reserve: int = 0,
+                beside: Optional[Mapping[str, int]] = None, hint: str = "") -> Placement:
     """Refuse, before loading anything, a set of models that does not fit where it would run. The parent role is
-    the parent wherever it stands in `roles` (the first other role is the draft placed beside it). `reserve`: host
-    memory (bytes) needed beside the models (the prompt cache's budget)."""
-    parent = PARENT_ROLE if PARENT_ROLE in roles else roles[0]
+    the parent wherever it stands in `roles` (the first other role is the draft placed beside it; none: only what
+    is beside them is checked). `reserve`: host memory (bytes) needed beside the models (the prompt cache's
+    budget); `beside`: more of it, each part by what it is (said when it does not fit: serve's prompt cache and
+    drafting memories, naming their settings); `hint`: what to change, after the numbers."""
+    parts = {**({f"the prompt cache's {reserve / 2**30:.2f} GiB (--cache-ram)": reserve} if reserve else {}),
+             **{what: int(n) for what, n in (beside or {}).items() if n}}
+    parent = PARENT_ROLE if PARENT_ROLE in roles else roles[0] if roles else None
     rest = [r for r in roles if r != parent]
-    pl = place(facts, need(fam, parent, n_ctx), need(fam, rest[0], n_ctx) if rest else None)
+    pl = place(facts, need(fam, parent, n_ctx), need(fam, rest[0], n_ctx) if rest else None) if parent \
+        else Placement("cpu", ram_bytes=0, reason="no model here")
     extra = sum(need(fam, r, n_ctx).total for r in rest[1:])  # further roles run on the CPU
-    ram = pl.ram_bytes + extra + reserve
+    ram = pl.ram_bytes + extra + sum(parts.values())
     if not fits_ram(facts, ram):
-        beside = f" with the prompt cache's {reserve / 2**30:.2f} GiB (--cache-ram)" if reserve else ""
-        raise ResourceError(f"models {', '.join(roles)}{beside} need ~{ram / 2**30:.2f} GiB of RAM, "
-                            f"{facts.ram_available / 2**30:.2f} GiB available")
+        what = f"models {', '.join(roles)}" if roles else "what is kept beside the models"
+        with_ = f" with {' and '.join(parts)}" if parts and roles else f" ({' and '.join(parts)})" if parts else ""
+        raise ResourceError(f"{what}{with_} need ~{ram / 2**30:.2f} GiB of RAM, "
+                            f"{facts.ram_available / 2**30:.2f} GiB available" + (f"; {hint}" if hint else ""))
     return pl
