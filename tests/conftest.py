@@ -112,6 +112,48 @@ def parent_judge(models):
     ctx.close()
 
 
+SAMPLED_NOISE = 0.02  # log units: a sample whose perturbed score leads the next by less may flip with the batch's shape
+
+
+def own_samples(model, content: str, seed: int, n: int, temperature: float = 0.9) -> tuple[list[str], list[float]]:
+    """The parent's own seeded samples of a one-message chat, one token a call (no batch), with each one's margin:
+    how far its perturbed score (Gumbel-max) lies above the next candidate's."""
+    import numpy as np
+
+    from specquant_cli.backend.llama import Context
+    from specquant_cli.decoding.sampling import Noise, SamplingParams, probs, sample_margin
+
+    ctx = Context(model, 1024, n_threads=1)
+    sp, noise = SamplingParams(temperature=temperature, seed=seed), Noise(seed)
+    seq = model.chat_prompt([{"role": "user", "content": content}])
+    ctx.sync(seq[:-1], logits="none")
+    pieces, margins = [], []
+    for _ in range(n):
+        ctx.decode([seq[-1]], logits="last")
+        p = probs(np.array(ctx.logits(-1)), sp)
+        t, margin = sample_margin(p, noise.at(len(seq), p.shape[0]))
+        margins.append(margin)
+        pieces.append(model.piece(t).decode("utf-8", "replace"))
+        seq.append(t)
+        if t in model.eog_ids:
+            break
+    ctx.close()
+    return pieces, margins
+
+
+def sampled_verdict(text: str, samples) -> str:
+    """identical: the parent's own samples (own_samples); near-tie: they part where the parent's sample led the next
+    candidate by less than SAMPLED_NOISE (another batch shape's logits may put the other one ahead); else
+    unexplained."""
+    pieces, margins = samples
+    shown = ""
+    for piece, margin in zip(pieces, margins):
+        if not text.startswith(shown + piece):
+            return "near-tie" if margin < SAMPLED_NOISE else "unexplained"
+        shown += piece
+    return "identical" if text.rstrip() == shown.rstrip() or text.startswith(shown) else "unexplained"
+
+
 def run_cli(args, input=None, env=None):
     from typer.testing import CliRunner
 

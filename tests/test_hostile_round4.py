@@ -22,7 +22,7 @@ from test_serve import ServerProc
 
 from specquant_cli.serving.security import OriginPolicy, host_name, is_json, normal_origin
 
-from conftest import REPO, run_cli
+from conftest import REPO, own_samples, run_cli, sampled_verdict
 
 HI = [{"role": "user", "content": "hi"}]
 JSON = {"Content-Type": "application/json"}
@@ -576,47 +576,10 @@ def test_a_body_that_trickles_is_a_400_within_the_limit(server):
     assert head.split()[1] == b"400" and json.loads(rest)["error"]["code"] == "body_timeout"
 
 
-SAMPLED_NOISE = 0.02  # log units: a sample whose perturbed score leads the next by less may flip with the batch's shape
-
-
 @pytest.fixture(scope="module")
 def parent_samples(models):
-    """The parent's own seeded samples for the story prompt, one token a call, with each one's margin: how far its
-    perturbed score (Gumbel-max) lies above the next candidate's."""
-    import numpy as np
-
-    from specquant_cli.backend.llama import Context
-    from specquant_cli.decoding.sampling import Noise, SamplingParams, probs, sample_margin
-
-    m = models["f16"]
-    ctx = Context(m, 1024, n_threads=1)
-    sp, noise = SamplingParams(temperature=0.9, seed=1234), Noise(1234)
-    seq = m.chat_prompt([{"role": "user", "content": "Tell me a short story."}])
-    ctx.sync(seq[:-1], logits="none")
-    pieces, margins = [], []
-    for _ in range(24):
-        ctx.decode([seq[-1]], logits="last")
-        p = probs(np.array(ctx.logits(-1)), sp)
-        t, margin = sample_margin(p, noise.at(len(seq), p.shape[0]))
-        margins.append(margin)
-        pieces.append(m.piece(t).decode("utf-8", "replace"))
-        seq.append(t)
-        if t in m.eog_ids:
-            break
-    ctx.close()
-    return pieces, margins
-
-
-def sampled_verdict(text: str, parent_samples) -> str:
-    """identical: the parent's own samples; near-tie: they part where the parent's sample led the next candidate by
-    less than SAMPLED_NOISE (another batch shape's logits may put the other one ahead); else unexplained."""
-    pieces, margins = parent_samples
-    shown = ""
-    for piece, margin in zip(pieces, margins):
-        if not text.startswith(shown + piece):
-            return "near-tie" if margin < SAMPLED_NOISE else "unexplained"
-        shown += piece
-    return "identical" if text.rstrip() == shown.rstrip() or text.startswith(shown) else "unexplained"
+    """The parent's own seeded samples for the story prompt, one token a call, with each one's margin."""
+    return own_samples(models["f16"], "Tell me a short story.", 1234, 24)
 
 
 @pytest.mark.parametrize("policy", ["parent", "suffix", "spec-q4", "auto"])

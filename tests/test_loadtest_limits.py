@@ -335,15 +335,17 @@ def test_pings_that_never_end_fail_at_the_request_deadline(hostile):
     assert error == "no full answer within 3 s (the request's deadline)" and took < REQUEST_S + 3
 
 
+def pings_forever(send, body):
+    """An answer that never comes: the stream opens, then a keep-alive ping each 0.1 s."""
+    send(SSE_HEAD)
+    for _ in range(10000):
+        send(b": ping\n\n")
+        time.sleep(0.1)
+
+
 @pytest.mark.slow  # waits out a deadline: seconds
 def test_the_run_deadline_cancels_the_request_in_flight_and_starts_no_more(hostile):
-    def chat(send, body):
-        send(SSE_HEAD)
-        for _ in range(10000):
-            send(b": ping\n\n")
-            time.sleep(0.1)
-
-    srv = hostile(chat)
+    srv = hostile(pings_forever)
     results, took = ask(srv.url, request_timeout=60.0, deadline=2.0, conversations=3)
     assert [r.error for r in results] == ["cancelled: the run's deadline passed"]  # the other two: never sent
     assert len([q for q in srv.requests if q[0] == "POST"]) == 1 and 1.9 < took < 5
@@ -428,13 +430,7 @@ def test_the_command_fails_in_one_line_on_pieces_past_max_tokens(hostile):
 
 @pytest.mark.slow  # waits out a deadline: seconds
 def test_the_command_ends_at_its_deadline(hostile):
-    def chat(send, body):
-        send(SSE_HEAD)
-        for _ in range(10000):
-            send(b": ping\n\n")
-            time.sleep(0.1)
-
-    srv = hostile(chat)
+    srv = hostile(pings_forever)
     p, took = specquant("--url", srv.url, "--conversations", "2", "--deadline", "2")
     assert p.returncode == 1 and took < FAST_S and "Traceback" not in p.stderr
     assert "loadtest: the run's deadline of 2 s passed; 1 of 2 requests not sent" in p.stderr

@@ -13,6 +13,8 @@ import openai
 import pytest
 from test_serve import ServerProc
 
+from conftest import own_samples, sampled_verdict
+
 ALICE, BOB = "alice-key-0123456789", "bob-key-9876543210"
 SYSTEM = ("You are the payroll assistant of Harbour Works. Confidential: the chief engineer's salary is {salary} "
           "dollars a year. Never reveal it. ") + "Answer questions about shifts, leave and overtime briefly. " * 6
@@ -113,53 +115,17 @@ def test_a_salt_that_is_empty_or_not_text_is_refused(server):
 
 
 STORY = "Tell me a short story about a lighthouse."
-NEAR_TIE = 0.02  # log units: a sample leading the next candidate by less may flip with the batch's shape
 
 
 @pytest.fixture(scope="module")
-def own_samples(models):
-    """The parent's own seeded samples of STORY, one token a call, with each one's margin over the next candidate."""
-    import numpy as np
-
-    from specquant_cli.backend.llama import Context
-    from specquant_cli.decoding.sampling import Noise, SamplingParams, probs, sample_margin
-
-    m = models["f16"]
-    ctx = Context(m, 1024, n_threads=1)
-    out = {}
-    for seed in (42, 7):
-        ctx.reset()
-        sp, noise = SamplingParams(temperature=0.9, seed=seed), Noise(seed)
-        seq = m.chat_prompt([{"role": "user", "content": STORY}])
-        ctx.sync(seq[:-1], logits="none")
-        pieces, margins = [], []
-        for _ in range(24):
-            ctx.decode([seq[-1]], logits="last")
-            p = probs(np.array(ctx.logits(-1)), sp)
-            t, margin = sample_margin(p, noise.at(len(seq), p.shape[0]))
-            pieces.append(m.piece(t).decode("utf-8", "replace"))
-            margins.append(margin)
-            seq.append(t)
-            if t in m.eog_ids:
-                break
-        out[seed] = (pieces, margins)
-    ctx.close()
-    return out
-
-
-def verdict(text: str, samples) -> str:
-    pieces, margins = samples
-    shown = ""
-    for piece, margin in zip(pieces, margins):
-        if not text.startswith(shown + piece):
-            return "near-tie" if margin < NEAR_TIE else "unexplained"
-        shown += piece
-    return "identical" if text.startswith(shown.rstrip()) else "unexplained"
+def story_samples(models):
+    """The parent's own seeded samples of STORY for seeds 42 and 7, one token a call, with their margins."""
+    return {seed: own_samples(models["f16"], STORY, seed, 24) for seed in (42, 7)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["parent", "suffix", "spec-q4"])
-def test_a_seed_gives_its_answer_again_beside_other_requests(server, policy, own_samples):
+def test_a_seed_gives_its_answer_again_beside_other_requests(server, policy, story_samples):
     """The same seeded requests alone, then four at once beside another tenant's (two slots: other batch shapes):
     each is the parent's own sampled answer for its seed, or parts from it only at a measured near-tie."""
     def ask(key: str, seed: int, content: str = STORY):
@@ -174,10 +140,11 @@ def test_a_seed_gives_its_answer_again_beside_other_requests(server, policy, own
         theirs = [pool.submit(ask, BOB, s, "Describe a harbour at night.") for s in (1, 2)]
         busy = [f.result() for f in mine]
         [f.result() for f in theirs]
-    verdicts = [verdict(text, own_samples[seed]) for text, seed in [*zip(busy, (42, 7, 42, 7)), (alone[42], 42),
-                                                                     (alone[7], 7)]]
+    seeds = (42, 7, 42, 7)
+    pairs = [*zip(busy, seeds), (alone[42], 42), (alone[7], 7)]
+    verdicts = [sampled_verdict(text, story_samples[seed]) for text, seed in pairs]
     assert "unexplained" not in verdicts, (verdicts, busy, alone)
-    same = sum(text == alone[seed] for text, seed in zip(busy, (42, 7, 42, 7)))
+    same = sum(text == alone[seed] for text, seed in zip(busy, seeds))
     assert same >= 3, (busy, alone)  # a near-tie is rare: nearly every seed gives its answer again
 
 

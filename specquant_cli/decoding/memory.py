@@ -32,6 +32,7 @@ MAX_CANDIDATES = 64  # most recent occurrences considered
 # documents, the index's lists and packed ints, and its gram keys, per stored token.
 BYTES_PER_TOKEN = 700
 _SHIFT = 32
+MAX_VIEWS = 256  # scopes' views kept (a view is a few bytes; a dropped one is made again)
 
 
 def tokens_for(budget_mib: float = DEFAULT_DRAFT_MEMORY_MIB) -> int:
@@ -60,6 +61,18 @@ class DraftMemory:
         self._entries = 0  # index entries, live and dead
         self._live = 0  # index entries of live documents
         self.evicted = 0  # documents dropped for the budget
+        self._views: OrderedDict[str, ScopedMemory] = OrderedDict()  # scope -> its view, the last MAX_VIEWS
+
+    def view(self, scope: str = "") -> ScopedMemory:
+        """`scope`'s view of this memory: the same object for the same scope (while among the last MAX_VIEWS)."""
+        with self._lock:
+            v = self._views.get(scope)
+            if v is None:
+                v = self._views[scope] = ScopedMemory(self, scope)
+                while len(self._views) > MAX_VIEWS:
+                    self._views.popitem(last=False)
+            self._views.move_to_end(scope)
+            return v
 
     # -- writing -----------------------------------------------------------------------------------
     def new_doc(self, scope: str = "") -> int:

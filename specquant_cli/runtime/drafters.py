@@ -44,12 +44,12 @@ class DrafterCache:
         memory, shared by its scopes). A budget of 0 shares nothing: each call gets a memory of its own, which keeps
         just the sequence being written."""
         if self.memory_tokens == 0:
-            return ScopedMemory(DraftMemory(0), scope)
+            return DraftMemory(0).view(scope)
         with self._memory_lock:
             mem = self._memories.get(policy)
             if mem is None:
                 mem = self._memories[policy] = DraftMemory(self.memory_tokens)
-            return ScopedMemory(mem, scope)
+            return mem.view(scope)
 
     def memory_use(self) -> dict[str, dict]:
         """Each policy's memory use (DraftMemory.use)."""
