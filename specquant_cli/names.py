@@ -1,4 +1,5 @@
-"""Names the whole program shares, as types: tiers, logits modes, finish reasons, token sources.
+"""Names the whole program shares: as types, tiers, logits modes, finish reasons, token sources; and the files a
+family folder reserves (family.manifest writes them; the llama.cpp adapter never lets its log onto one).
 Family roles have their own module: family.roles."""
 
 from __future__ import annotations
@@ -16,3 +17,12 @@ FinishReason = Literal["stop", "length", "interrupted"]
 # accepted, or the parent's own token (a correction or the bonus token, or every token without a drafter).
 Source = Literal["draft", "suffix", "parent"]
 SOURCES: tuple[str, ...] = get_args(Source)
+
+# A family folder's own files, besides its models: the manifest, the one a commit replaced, the commit journal,
+# one that did not check out, the lock.
+MANIFEST = "manifest.json"
+PREV_MANIFEST = MANIFEST + ".prev"
+JOURNAL = ".specquant-commit.json"
+UNUSABLE_JOURNAL = JOURNAL + ".unusable"
+LOCK = ".specquant.lock"
+RESERVED = {MANIFEST, PREV_MANIFEST, JOURNAL, UNUSABLE_JOURNAL, LOCK, "manifest.json.unusable"}

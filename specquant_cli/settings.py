@@ -7,7 +7,11 @@ included (threads from its cores; serve's parallel sequences from its calibratio
 
 This module is also the only reader of the environment: the settings' variables, `XDG_CACHE_HOME`
 (`cache_home`), `COLUMNS` (`columns`) and the self-test's internal variables (`INTERNAL_ENV`, through `env`).
-It imports nothing of the package at load."""
+It imports nothing of the package at load.
+
+Why one file of ~800 lines: the table of every setting is the point of it — one place that says what can be set,
+how, and what each value is checked against — and the readers of specquant.toml, the environment and the flags
+must stay beside the declarations they read (three modules would be three places to forget a setting)."""
 
 from __future__ import annotations
 
@@ -19,10 +23,7 @@ import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
-
-if TYPE_CHECKING:
-    from specquant_cli.decoding.sampling import SamplingParams
+from typing import Any, Optional
 
 CONFIG_NAME = "specquant.toml"
 DEFAULT_FAMILY_DIR = Path("models") / "smollm2-135m"  # where session.load_family looks when nothing names a family
@@ -786,7 +787,7 @@ class SessionSettings:
     gamma: int = DEFAULT_GAMMA
     threads: Optional[int] = None
     policy: Optional[str] = None
-    sampling: Optional[SamplingParams] = None
+    sampling: object = None  # a decoding.sampling.SamplingParams (named, not imported: settings is below it)
     max_tokens: int = 256
     system: Optional[str] = None
     stop: tuple[str, ...] = ()

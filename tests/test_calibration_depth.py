@@ -10,7 +10,9 @@ import pytest
 
 from specquant_cli.decoding.gamma import verify_shape
 from specquant_cli.system import calibration as cal
-from specquant_cli.system.calibration import Calibration, entry_problem
+from specquant_cli.system import measure
+from specquant_cli.system.calibration import Calibration
+from specquant_cli.system.calibration_file import SCHEMA, entry_problem
 
 PARENT = {n: 0.01 * (1 + 0.1 * (n - 1)) for n in range(1, 17)}  # a parent call on n tokens, after 64 positions
 Q4 = {n: 0.002 * (1 + 0.2 * (n - 1)) for n in range(1, 9)}
@@ -94,7 +96,7 @@ def test_an_entry_of_the_previous_schema_lacks_the_new_fields():
     for k in ("draft_call_s", "deep_call_s", "deep_pos", "import_s"):
         del entry[k]
     assert "draft_call_s, deep_call_s, deep_pos, import_s missing" in entry_problem(entry)
-    assert cal.SCHEMA == 6
+    assert SCHEMA == 6
 
 
 # -- depth_factor ------------------------------------------------------------------------------------------
@@ -190,7 +192,7 @@ class _RefusingDraft:
 def test_a_refused_import_stores_nothing_and_leaves_the_draft_reset():
     ctxs = {"parent": _Parent(), "q4": _RefusingDraft()}
     ticks = []
-    got = cal._time_imports(ctxs.__getitem__, "parent", ["q4"], [[1] * 64, [2] * 300], ticks.append)
+    got = measure._time_imports(ctxs.__getitem__, "parent", ["q4"], [[1] * 64, [2] * 300], ticks.append)
     assert got == {} and ctxs["q4"].tokens == [] and ctxs["q4"].resets >= 1
     assert len(ticks) == 2 and ctxs["parent"].tokens == []
 
@@ -199,9 +201,9 @@ def test_a_refused_import_stores_nothing_and_leaves_the_draft_reset():
 @pytest.fixture
 def quick(monkeypatch):
     """The measurement's rounds and agreement pass cut down: these tests are about the new figures."""
-    monkeypatch.setattr(cal, "REPEATS", 1)
-    monkeypatch.setattr(cal, "AGREEMENT_PROMPTS", cal.AGREEMENT_PROMPTS[:1])
-    monkeypatch.setattr(cal, "AGREEMENT_TOKENS", 8)
+    monkeypatch.setattr(measure, "REPEATS", 1)
+    monkeypatch.setattr(measure, "AGREEMENT_PROMPTS", measure.AGREEMENT_PROMPTS[:1])
+    monkeypatch.setattr(measure, "AGREEMENT_TOKENS", 8)
 
 
 def _measure(models, n_ctx: int):
@@ -210,7 +212,7 @@ def _measure(models, n_ctx: int):
     ctxs = {role: Context(models["f16" if role == "parent" else role], n_ctx) for role in ("parent", "q8", "q4")}
     ticks = []
     try:
-        c = cal.measure(ctxs.__getitem__, "parent", ["q8", "q4"], lambda what, i, n: ticks.append((i, n)))
+        c = measure.measure(ctxs.__getitem__, "parent", ["q8", "q4"], lambda what, i, n: ticks.append((i, n)))
         left = {role: ctx.n_past for role, ctx in ctxs.items()}
         return c, ticks, ctxs["parent"].n_ctx, left
     finally:

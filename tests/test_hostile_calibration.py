@@ -5,7 +5,7 @@ The demo family is hard-linked into each test's folder (its GGUFs are only ever 
 rename, never written in place) with its own copy of the manifest. One real `calibrate` runs for the
 module (over a garbage calibration.json: the reason on stderr, exit 0, a valid entry after); a second
 real one runs on a read-only family and lands in the XDG cache. The bad-entry cases run the real CLI
-with `system.calibration.measure` (the minute-long timing loop) replaced by one returning that real
+with `system.measure.measure` (the minute-long timing loop) replaced by one returning that real
 measurement: the load, the check, the reason line, the models' loading and the save are all real.
 
 Read-only folders are read-only bind mounts (`mount --bind` + `remount,ro`): the tests run as root, who
@@ -30,7 +30,9 @@ import numpy as np
 import pytest
 from hostile_util import assert_clean_error, cli, snapshot, temps, tiny_llama
 
-from specquant_cli.system import calibration as cal
+from specquant_cli.system import calibration_file as cal
+from specquant_cli.system import measure as measuring
+from specquant_cli.system.calibration import Calibration
 
 SPECQUANT = [sys.executable, "-m", "specquant_cli"]
 HANG_S = 120
@@ -126,13 +128,13 @@ def stub_measure(measured, monkeypatch):
 
     def measure(ctx_for, parent, drafts, progress=None):
         calls.append((parent, tuple(drafts)))
-        return cal.Calibration.from_dict(json.loads(json.dumps(measured[2])))
+        return Calibration.from_dict(json.loads(json.dumps(measured[2])))
 
-    monkeypatch.setattr(cal, "measure", measure)
+    monkeypatch.setattr(measuring, "measure", measure)
     return calls
 
 
-def _valid_after(root: Path, key: str) -> cal.Calibration:
+def _valid_after(root: Path, key: str) -> Calibration:
     got, why = cal.load_checked(root, json.loads(key))
     assert why is None and got is not None, why
     return got
@@ -270,7 +272,7 @@ def test_unusable_calibration_file_is_measured_again_with_its_reason(measured, f
 def test_route_ignores_an_invalid_entry_and_says_so(measured, fam, monkeypatch):
     """The probe's `route --json`: "acceptance prior -300%" and a predicted 1.69x from agreement -3."""
     _, key, entry = measured
-    monkeypatch.setattr(cal, "measure", lambda *a, **k: pytest.fail("route measured"))
+    monkeypatch.setattr(measuring, "measure", lambda *a, **k: pytest.fail("route measured"))
     data = {key: json.loads(json.dumps(entry))}
     data[key]["agreement"]["q4"] = -3
     (fam / cal.CALIBRATION_FILE).write_text(json.dumps(data))
@@ -345,7 +347,7 @@ def test_read_only_family_keeps_its_calibration_in_the_user_cache(family_dir, tm
         assert cal.entry_problem(entry) is None and json.loads(r.stdout)["parent_call_s"] == entry["parent_call_s"]
         assert snapshot(fam) == before  # nothing written in the family
         # read back from the cache: no second measurement, by calibrate or by route
-        monkeypatch.setattr(cal, "measure", lambda *a, **k: pytest.fail("measured again"))
+        monkeypatch.setattr(measuring, "measure", lambda *a, **k: pytest.fail("measured again"))
         r = cli(["calibrate", "--family", fam, "--json"])
         assert r.exit_code == 0 and json.loads(r.stdout)["parent_call_s"] == entry["parent_call_s"], r.stderr
         assert reason_lines(r.stderr) == []
@@ -357,7 +359,7 @@ def test_read_only_family_keeps_its_calibration_in_the_user_cache(family_dir, tm
 
 
 def test_calibrate_with_nowhere_to_save_fails_before_measuring(fam, monkeypatch, xdg):
-    monkeypatch.setattr(cal, "measure", lambda *a, **k: pytest.fail("measured with nowhere to save"))
+    monkeypatch.setattr(measuring, "measure", lambda *a, **k: pytest.fail("measured with nowhere to save"))
     before = snapshot(fam)
     with read_only(fam), read_only(xdg):
         t0 = time.monotonic()

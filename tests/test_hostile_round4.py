@@ -519,7 +519,7 @@ def test_serve_stopping_on_a_stalled_worker_answers_503_and_exits(family_dir):
 # -- 6. HTTP edges --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("step", [5e-324, 1e-9, 1e-300])
 def test_a_calibration_with_an_impossible_timing_is_refused(step):
-    from specquant_cli.system.calibration import entry_problem
+    from specquant_cli.system.calibration_file import entry_problem
 
     entry = {"parent_call_s": {"1": step}, "draft_step_s": {}, "prefill_token_s": {}, "agreement": {},
              "tokens_per_cycle": {}, "draft_pair_s": {}, "fingerprint": {}, "measured_at": "", "left_out": [],

@@ -1,5 +1,7 @@
 """The package's import graph has no circles: a lower module never imports a higher one, not even inside a
-function (what `settings` checks against is handed to it from above: the policy table registers itself)."""
+function or for type checking only (what `settings` checks against is handed to it from above: the policy table
+registers itself) — neither between modules nor between the package's rooms (its top-level modules and folders),
+so the rooms stand on floors, every arrow running down."""
 
 from __future__ import annotations
 
@@ -16,19 +18,14 @@ def _module_of(path: Path) -> str:
 
 
 def _graph() -> dict[str, set[str]]:
-    """module -> the package's modules it imports anywhere in its file (functions included; not the type-only
-    imports under `if TYPE_CHECKING:`, which never run), by file: `from a.b import c` reaches a.b.c when that is a
-    module, else a.b."""
+    """module -> the package's modules it imports anywhere in its file (functions and `if TYPE_CHECKING:` blocks
+    included: a reader sees an arrow either way), by file: `from a.b import c` reaches a.b.c when that is a module,
+    else a.b."""
     files = {_module_of(p): p for p in PKG.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                       and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
-                       for n in ast.walk(block)}
         for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -80,9 +77,30 @@ def test_the_import_graph_has_no_circles():
     assert _circles(_graph()) == []
 
 
+def _rooms(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between the package's rooms: a top-level module, or a folder with everything in it."""
+    def room(m: str) -> str:
+        return m.split(".")[1] if "." in m else m
+
+    out: dict[str, set[str]] = {room(m): set() for m in graph}
+    for a, bs in graph.items():
+        out[room(a)] |= {room(b) for b in bs} - {room(a)}
+    return out
+
+
+def test_the_rooms_stand_on_floors():
+    """No two rooms import each other, however far round: every arrow between folders runs down."""
+    assert _circles(_rooms(_graph())) == []
+
+
 def test_settings_imports_nothing_above_it():
     assert _graph()["specquant_cli.settings"] <= {"specquant_cli.errors", "specquant_cli.inputs"}
 
 
 def test_a_circle_is_found():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+
+def test_a_room_circle_is_found():
+    assert _circles(_rooms({"p.a.x": {"p.b.y"}, "p.b.y": {"p.a.z"}, "p.a.z": set()})) == [["a", "b"]]

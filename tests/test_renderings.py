@@ -207,7 +207,7 @@ def test_calibration_compares_both_renderings_only_where_bf16_is_multiplied(fami
     for bf16, want in ((True, {"f16", "bf16"}), (False, set())):
         rt = Runtime.open(family.bind("bf16"), n_ctx=512, facts=_facts(bf16))
         try:
-            got = rt.costs._compare_renderings(cal, lambda what: None)
+            got = rt.costs._compare_renderings(lambda what: None)
             assert set(got) == want
             for t in got.values():
                 assert t["prefill_token_s"] > 0 and set(t["call_s"]) == set(cal.RENDERING_SIZES)

@@ -33,10 +33,11 @@ def _family_copy(src, dst):
 
 def _calibrate(root, curve: dict[int, float]) -> None:
     """Store a calibration for this machine, as serve's fingerprint (--threads 1, no RPC) finds it."""
-    from specquant_cli.system import calibration as cal
+    from specquant_cli.system import calibration_file as cal
+    from specquant_cli.system.calibration import Calibration
     from specquant_cli.system.hardware import detect
 
-    cal.save(root, cal.fingerprint(detect(), 1, []), cal.Calibration(parent_call_s=dict(curve)))
+    cal.save(root, cal.fingerprint(detect(), 1, []), Calibration(parent_call_s=dict(curve)))
 
 
 CASES = {"uncalibrated": (None, best_parallel(verify_shape), "the prior cost curve"),

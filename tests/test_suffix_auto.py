@@ -160,7 +160,7 @@ def test_auto_and_suffix_are_lossless(family_dir, policy):
 
 
 def test_expected_run_tokens_counts_runs_of_agreement():
-    from specquant_cli.system.calibration import expected_run_tokens
+    from specquant_cli.system.measure import expected_run_tokens
 
     hits = [True, True, False, True]  # runs from each position: 2, 1, 0, 1
     assert expected_run_tokens(hits, 3) == [1 + 3 / 4, 1 + 4 / 4, 1 + 4 / 4]
@@ -175,7 +175,7 @@ def test_draft_cycle_pays_the_catch_up_pair_only_after_full_accepts():
 
 
 def test_calibration_cache_keeps_other_machines_and_drops_older_schemas(tmp_path):
-    from specquant_cli.system import calibration as cal
+    from specquant_cli.system import calibration_file as cal
 
     here = {"schema": cal.SCHEMA, "cpu": "here", "cores": 2}
     there = {**here, "cpu": "elsewhere"}

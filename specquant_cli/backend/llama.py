@@ -2,7 +2,10 @@
 
 One small class per llama.cpp resource: `Model` (weights + vocabulary) and `Context` (KV cache + batch).
 Return codes become exceptions; the context's token list is the single source of truth for the KV
-cache's positions, so the position counter cannot drift from what was decoded."""
+cache's positions, so the position counter cannot drift from what was decoded.
+
+Why one file of ~600 lines: it is the one place that touches llama.cpp's C API (ctypes structs, pointers, the
+free order of model, context and batch); splitting it would spread that boundary over several files."""
 
 from __future__ import annotations
 
@@ -82,7 +85,7 @@ def llama_log_to(path: Optional[Path]) -> Iterator[None]:
 def log_target_problem(path: Path) -> Optional[str]:
     """Why llama.cpp's log may not go to `path`, or None: never into a family folder (a folder with a manifest)
     nor onto a model file (a GGUF), which appending would destroy."""
-    from specquant_cli.family.manifest import MANIFEST, RESERVED
+    from specquant_cli.names import MANIFEST, RESERVED
 
     p = Path(os.path.abspath(path))
     real = Path(os.path.realpath(p))

@@ -70,7 +70,7 @@ def doctor(
             report["placements"] = family_placements(facts, fam, n_ctx)
         except FamilyError:  # a record too broken to plan with: reported below
             report["placements"] = {}
-        from specquant_cli.system import calibration as cal
+        from specquant_cli.system import calibration_file as cal
 
         c = cal.load(fam.root, cal.fingerprint(facts, cfg.runtime.threads, rpc_endpoints, parent=fam.parent_rendering))
         report["calibration"] = c.to_dict() if c else None

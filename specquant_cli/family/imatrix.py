@@ -10,7 +10,10 @@ importance llama_model_quantize weighs each column's rounding error by (`imatrix
 
 The statistics are stored beside the family in llama.cpp's imatrix GGUF format (`<name>.in_sum2` and
 `<name>.counts` F32 tensors, `general.type = imatrix`), so `llama-quantize --imatrix` reads them too, with
-the calibration set's sha256 in the file and in the manifest."""
+the calibration set's sha256 in the file and in the manifest.
+
+Why one file of ~530 lines: the collector (a C callback over ggml tensors), the file format it writes and the
+reader that checks a file before quantize uses it are one format, kept in one place."""
 
 from __future__ import annotations
 

@@ -12,7 +12,10 @@ the old manifest kept as `manifest.json.prev` and the new one written. A process
 the journal; the next load or quantize that finds the lock free verifies it (every rename one of our temp
 files into a name the new manifest uses, every variant of the new manifest usable) and finishes it, or sets
 it aside as `.specquant-commit.json.unusable`; so a family folder is always the old family or the new one,
-complete."""
+complete.
+
+Why one file of ~600 lines: the checks on reading and the journal's commit and recovery are one protocol over
+the same files under the same lock; kept together they can be read against each other."""
 
 from __future__ import annotations
 
@@ -32,13 +35,8 @@ from specquant_cli.errors import FamilyError, ModelFileError
 from specquant_cli.family.roles import PARENT_ROLE, RENDERINGS, ordered
 from specquant_cli.family.variants import QUANT_TYPES
 from specquant_cli.fsutil import TEMP_RE, fsync_dir, sha256_file, write_bytes_atomic, write_json_atomic
+from specquant_cli.names import JOURNAL, LOCK, MANIFEST, PREV_MANIFEST, RESERVED, UNUSABLE_JOURNAL  # noqa: F401
 
-MANIFEST = "manifest.json"
-PREV_MANIFEST = MANIFEST + ".prev"  # the manifest the last commit replaced
-JOURNAL = ".specquant-commit.json"
-UNUSABLE_JOURNAL = JOURNAL + ".unusable"  # a journal that did not check out, set aside
-LOCK = ".specquant.lock"
-RESERVED = {MANIFEST, PREV_MANIFEST, JOURNAL, UNUSABLE_JOURNAL, LOCK, "manifest.json.unusable"}
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest is a few KiB; anything this large is not one
 
 

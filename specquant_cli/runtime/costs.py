@@ -44,7 +44,7 @@ class CostModel:
         that lacks a draft role the family has gained since (a recipe added by `quantize --types`) is measured
         again when `measure` is True; `force` measures regardless. `require_save`: refuse (before measuring)
         when the result could be saved nowhere."""
-        from specquant_cli.system import calibration as cal
+        from specquant_cli.system import calibration_file as cal
 
         pool = self.pool
         if force:
@@ -74,6 +74,8 @@ class CostModel:
         return [r for r in self.pool.draft_roles if c is None or (r not in c.draft_step_s and r not in c.left_out)]
 
     def _measure(self, cal, fp, require_save: bool = False):
+        from specquant_cli.system import measure
+
         pool = self.pool
         if require_save:
             cal.save_target(pool.family.root)  # a one-line error now, not after a minute of measuring
@@ -90,18 +92,19 @@ class CostModel:
             self.report.say(f"calibration: {', '.join(skipped)} left out (not enough memory beside the others); "
                             "auto will not pick them")
         with self.report.status("calibrating this machine's costs (once per family and machine)") as status:
-            c = cal.measure(pool.context, PARENT_ROLE, drafts,
+            c = measure.measure(pool.context, PARENT_ROLE, drafts,
                             lambda what, i, n: status.update(f"calibrating: {what} ({i}/{n})"))
             pool.release([r for r in drafts if r not in before])  # loaded only to be measured
-            c.renderings = self._compare_renderings(cal, lambda what: status.update(f"calibrating: {what}"))
+            c.renderings = self._compare_renderings(lambda what: status.update(f"calibrating: {what}"))
         c.left_out = skipped
         self._save(cal, fp, c, require_save)
         return c
 
-    def _compare_renderings(self, cal, tick) -> dict:
-        """Both renderings of the parent timed back to back (calibration.compare_renderings), when the family has
-        both, the parent runs here and the CPU has BF16 dot products (without them F16 stays: nothing to
+    def _compare_renderings(self, tick) -> dict:
+        """Both renderings of the parent timed back to back (system.measure.compare_renderings), when the family
+        has both, the parent runs here and the CPU has BF16 dot products (without them F16 stays: nothing to
         compare); {} otherwise, or when the other rendering does not fit beside what is loaded."""
+        from specquant_cli.system import measure
         from specquant_cli.system.renderings import bf16_dot
 
         pool = self.pool
@@ -116,8 +119,8 @@ class CostModel:
                             "not compared")
             return {}
         try:
-            return cal.compare_renderings(lambda r: pool.context(PARENT_ROLE if r == serving else r),
-                                          [serving, *others], tick)
+            return measure.compare_renderings(lambda r: pool.context(PARENT_ROLE if r == serving else r),
+                                              [serving, *others], tick)
         finally:
             pool.release(others)
 

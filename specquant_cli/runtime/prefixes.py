@@ -16,7 +16,10 @@ system prompt arriving together), this one waits for it to pass the shared part,
 is computed once. Only the parent's sequences take part: a model draft imports the parent's KV, as always.
 
 The KV cells a prefix is made of are the ones a cold prefill would make, computed in other batches: the same
-tokens' keys and values up to the float rounding of another batch shape, as the sequence's own cache already was."""
+tokens' keys and values up to the float rounding of another batch shape, as the sequence's own cache already was.
+
+Why one file of ~570 lines: the three sources of a prefix (own cache, another sequence, the prompt cache and its
+folder) and the wait for another's prefill share one lock and one choice of the longest prefix."""
 
 from __future__ import annotations
 

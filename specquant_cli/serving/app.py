@@ -2,7 +2,10 @@
 
 The guard (outermost) checks the API key, logs one line per request on stderr and turns any escaped
 exception into a bare 500; the routes read the body themselves (size cap, stall timeout, strict JSON), validate
-it through `schemas`, queue a `worker.Job` and answer with one JSON object or an SSE stream."""
+it through `schemas`, queue a `worker.Job` and answer with one JSON object or an SSE stream.
+
+Why one file of ~520 lines: the guard and the routes are the whole HTTP surface, read together when one asks
+what a client can send and what it gets back."""
 
 from __future__ import annotations
 

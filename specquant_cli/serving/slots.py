@@ -140,7 +140,7 @@ def parallel_for(family, facts, threads: int, rpc: list[str]) -> tuple[int, str]
     this machine's stored calibration of the family says pays (best_parallel), else what the prior cost curve
     says (decoding.gamma.verify_shape). Returns (n, "this machine's calibration"), or (the prior's n, None)."""
     from specquant_cli.decoding.gamma import verify_shape
-    from specquant_cli.system import calibration as cal
+    from specquant_cli.system import calibration_file as cal
     from specquant_cli.system.hardware import detect
 
     c = cal.load(family.root, cal.fingerprint(facts if facts is not None else detect(), threads, rpc,

@@ -20,7 +20,8 @@ from typing import Optional
 
 from specquant_cli.errors import FamilyError, InputError
 from specquant_cli.family.manifest import Family
-from specquant_cli.system import calibration as cal
+from specquant_cli.system import calibration_file as cal
+from specquant_cli.system.calibration import PREFILL_TOKENS
 
 # The build's CPU features (llama_print_system_info) that give ggml BF16 dot products, and the CPU flags that name them.
 BF16_FEATURES = {"AVX512_BF16": "avx512_bf16", "AMX_BF16": "amx_bf16", "ARM_BF16": "bf16"}
@@ -51,7 +52,7 @@ def bf16_dot(facts) -> Optional[str]:
 def score(timings: dict) -> float:
     """One rendering's cost in the comparison: the measured prefill (PREFILL_TOKENS tokens) plus one call of each
     measured size (the mix of a prompt and its verify calls)."""
-    return timings.get("prefill_token_s", 0.0) * cal.PREFILL_TOKENS + sum(timings.get("call_s", {}).values())
+    return timings.get("prefill_token_s", 0.0) * PREFILL_TOKENS + sum(timings.get("call_s", {}).values())
 
 
 def describe(comparison: dict) -> str:
