@@ -14,6 +14,7 @@ import pytest
 from specquant_cli.family import grade
 from specquant_cli.family.grade import GradePlan, TensorCost
 from specquant_cli.family.imatrix import CALIBRATION_SET, MIN_ROWS, chunks_of, weight_name
+from specquant_cli.routing.auto import MODEL_MARGIN
 
 from conftest import run_cli
 
@@ -205,8 +206,11 @@ def test_auto_measures_and_picks_recipe_drafts(fam):
     path.write_text(json.dumps(data))
     route = json.loads(run_cli(["route", "--json", "--family", str(root), PROMPT]).stdout)["plan"]
     names = [c["plan"] for c in route["candidates"]]
-    # each draft in its two-level form (its batch curve is measured), alone and mixed with suffix drafts
-    assert {"stacked-q4i", "stacked-q3g", "suffix+stacked-q4i", "suffix+stacked-q3g"} <= set(names)
+    predicted = {c["plan"]: c["predicted_speedup"] for c in route["candidates"]}
+    # each draft in its two-level form (its batch curve is measured), alone, and mixed with suffix drafts where it
+    # clears its margin alone (a draft that barely pays is not mixed in: this CPU's costs decide for q4i)
+    assert {"stacked-q4i", "stacked-q3g", "suffix+stacked-q3g"} <= set(names)
+    assert ("suffix+stacked-q4i" in names) == (predicted["stacked-q4i"] >= MODEL_MARGIN)
     assert route["draft"] in ("stacked-q3g", "suffix+stacked-q3g"), route
     args = ["chat", "--family", str(root), "--max-tokens", "24", "--json", PROMPT]
     parent = json.loads(run_cli(args + ["--policy", "parent"]).stdout.strip().splitlines()[-1])

@@ -9,8 +9,10 @@ the context's batch size) and hands each caller a copy of its logits rows. N req
 thus cost one parent call on all their tokens — on a CPU, 8 tokens cost ~1.6x one token, not 8x.
 
 When calls for several models wait together (one request verifying while another drafts), the parent's
-calls are held for a round or more (at most DEFER_MAX_S) while the draft steps run: the drafting requests
-then verify together, in one parent call, instead of every round costing a parent call and a draft call.
+calls are held for a round or more while the draft steps run: the drafting requests then verify together, in
+one parent call, instead of every round costing a parent call and a draft call. How long they may wait is the
+batch's round price (`hold_s`: the draft calls the round pacer granted, decoding.rounds), DEFER_MAX_S where
+nothing is calibrated.
 
 Every other llama.cpp call on a shared context (removing positions, state export and import) holds
 `Batcher.ops`, which a round holds too, so no two threads ever touch a context at once."""
@@ -21,7 +23,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -34,10 +36,11 @@ from specquant_cli.errors import LlamaError
 # a long prompt, a KV import) does not hold the others back: the round runs without it.
 MAX_WAIT_S = 0.05
 # When calls for several models wait together, those on the heaviest (the parent) wait for the next round
-# while the others (draft steps) run, for at most this long from when they came: the drafting requests then
-# reach their verification together and share one parent call, as their draft steps share draft calls.
-# Without it a request verifying beside one drafting makes each round a parent call and a draft call, which
-# every member waits out (4 clients, q4 drafts, AMD EPYC: below the parent alone).
+# while the others (draft steps) run, for at most this long from when they came (where the batch's round price
+# gives no bound: nothing calibrated): the drafting requests then reach their verification together and share
+# one parent call, as their draft steps share draft calls. Without it a request verifying beside one drafting
+# makes each round a parent call and a draft call, which every member waits out (4 clients, q4 drafts, AMD
+# EPYC: below the parent alone).
 DEFER_MAX_S = 0.25
 
 
@@ -71,8 +74,11 @@ class Batcher:
     calls run on the batcher's own thread, in rounds, so that one thread makes every llama.cpp compute call
     (ggml's OpenMP build keeps a team of worker threads per calling thread)."""
 
-    def __init__(self, max_wait_s: float = MAX_WAIT_S):
+    def __init__(self, max_wait_s: float = MAX_WAIT_S, hold_s: Optional[Callable[[], Optional[float]]] = None):
+        """`hold_s`: how long the parent's calls may wait for the draft calls beside them (None from it, or no
+        `hold_s`: DEFER_MAX_S; 0: never held)."""
         self.max_wait_s = max_wait_s
+        self._hold_s = hold_s
         self.ops = threading.RLock()  # held by every llama.cpp call on a shared context
         self.stats = BatchStats()
         self._cond = threading.Condition()
@@ -131,6 +137,10 @@ class Batcher:
             raise call.error
         return call
 
+    def hold_s(self) -> float:
+        h = self._hold_s() if self._hold_s is not None else None
+        return DEFER_MAX_S if h is None else h
+
     def _due(self) -> bool:
         """A round starts when every member waits on one, or when the oldest wait has lasted `max_wait_s`
         counted from when the last round ended: a call that arrived during a round waits for that round's
@@ -140,8 +150,8 @@ class Batcher:
         if len(self._pending) >= self._active:
             return True
         now = time.monotonic()
-        if self._deferring:  # held parent calls wait for the drafting members, at most DEFER_MAX_S
-            if now - self._oldest >= DEFER_MAX_S:
+        if self._deferring:  # held parent calls wait for the drafting members, at most hold_s
+            if now - self._oldest >= self.hold_s():
                 return True
             fresh = [c.since for c in self._pending if not c.held]
             return bool(fresh) and now - max(min(fresh), self._free_since) >= self.max_wait_s
@@ -172,13 +182,13 @@ class Batcher:
 
     def _split(self, pending: list[Call]) -> tuple[list[Call], list[Call]]:
         """(the round's calls, those held for the next): with calls for several models waiting, the heaviest
-        model's (the parent's) are held, up to DEFER_MAX_S after they came, while the others run."""
+        model's (the parent's) are held, up to hold_s after they came, while the others run."""
         ctxs = {id(c.ctx): c.ctx for c in pending}
         if len(ctxs) < 2:
             return pending, []
         heavy = max(ctxs, key=lambda k: self._weight(ctxs[k]))
-        now = time.monotonic()
-        held = [c for c in pending if id(c.ctx) == heavy and now - c.since < DEFER_MAX_S]
+        now, hold = time.monotonic(), self.hold_s()
+        held = [c for c in pending if id(c.ctx) == heavy and now - c.since < hold]
         return [c for c in pending if not any(c is h for h in held)], held
 
     def _weight(self, ctx) -> int:

@@ -86,11 +86,18 @@ class ModelDrafter(DrafterBase):
     itself (its greedy choice, or its sample with the parent's noise for that position). The draft is the
     model's own either way, token for token: only its cost changes, from one call per token to one call per
     run the lower level got right. `lower` sizes its proposals from the model's batch cost curve and the
-    acceptance it measures at this level (its feedback)."""
+    acceptance it measures at this level (its feedback).
+
+    With `pacer` (decoding.rounds.Pace: a server's slots share one pacer), the draft makes at most as many
+    calls as the pacer allows for this cycle, the same number for every sequence of the batch drafting with
+    this model, none when drafting would not lower the batch's time per token (a planned policy's drafts); its
+    verified drafts feed the pacer's pooled acceptance. `role` is the draft model's family role (what the pacer
+    prices). A draft that resumes after the sequence ran on without it (rested, or a mixed drafter's other
+    source drafted) imports the parent's cache when that spares decoding more than IMPORT_MIN_TOKENS."""
 
     def __init__(self, ctx: TokenContext, name: str = "model", p_min: Optional[float] = None,
                  stop_ids: frozenset[int] = frozenset(), window: Optional[int] = None,
-                 parent: Optional[TokenContext] = None, lower=None):
+                 parent: Optional[TokenContext] = None, lower=None, pacer=None, role: Optional[str] = None):
         self.ctx = ctx
         self.name = name
         self.p_min = p_min
@@ -98,6 +105,8 @@ class ModelDrafter(DrafterBase):
         self.window = window
         self.parent = parent
         self.lower = lower
+        self.pacer = pacer
+        self.role = role or name
         self.import_ok = True  # until llama.cpp refuses an import once
         self.start = 0  # first token of the sequence the draft context holds
         self._counts = {"level2_proposed": 0, "level2_accepted": 0, "model_calls": 0, "model_s": 0.0,
@@ -113,9 +122,15 @@ class ModelDrafter(DrafterBase):
 
     def prepare(self, seq: Sequence[int]) -> Prepared:
         """Catch up on the prompt. Called after the parent's prefill (or between cycles), when the parent's
-        cache holds seq[:-1]. An imported cache makes the window unnecessary: the draft reads everything."""
+        cache holds seq[:-1]. An imported cache makes the window unnecessary: the draft reads everything.
+        A paced drafter that imports catches up only when it is first given calls (decoding.rounds): beside
+        other sequences it may rest for the whole answer, and its import or catch-up call would be a round
+        every sequence waits for."""
         if self.lower is not None:
             self.lower.prepare(seq)
+        if self.pacer is not None and self.parent is not None and self.import_ok and not self.window:
+            self.start = 0
+            return Prepared()
         t0 = time.perf_counter()
         imported = self._import(seq)
         self.start = max(0, len(seq) - self.window) if self.window and not imported else 0
@@ -137,26 +152,35 @@ class ModelDrafter(DrafterBase):
         return ok
 
     def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, noise: Noise) -> Draft:
-        if n <= 0:
+        calls = self.pacer.ask(id(self), self.role, len(seq)) if self.pacer is not None and n > 0 else None
+        if n <= 0 or calls == 0:
             return Draft()
         if self.start >= len(seq):  # a new, shorter sequence without prepare()
             self.start = 0
         if self.lower is not None:
             self.lower.remember(seq)
+        if self.start == 0:
+            self._import(seq)  # a long way behind the parent: its cache, not a decode of the gap
         self._call(lambda: self.ctx.sync(seq[self.start:]))
         out: list[int] = []
         row = -1  # the logits row that predicts the next token
+        made = 1  # calls this draft has made
         while len(out) < n:
             t = self._pick(self.ctx.logits(row), sp, noise, len(seq) + len(out))
             if t is None:
                 break
             out.append(t)
-            if t in self.stop_ids or len(out) == n:
+            if t in self.stop_ids or len(out) == n or (calls is not None and made >= calls):
                 break  # the last drafted token is decoded lazily, by the next sync, only if it is kept
             row = self._step(seq, out, n, sp, noise)
+            made += 1
             if row is None:
                 break
         return Draft(out)
+
+    def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
+        if self.pacer is not None and outcome.proposed:
+            self.pacer.observe(self.role, outcome.proposed, outcome.accepted)
 
     def _step(self, seq, out: list[int], n: int, sp, noise) -> Optional[int]:
         """Decode out[-1], with the lower level's proposals after it when there is one; append those the model
@@ -273,5 +297,7 @@ class FallbackDrafter(DrafterBase):
     def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
         if self._last == "first":
             self.first.feedback(seq, outcome)
-        elif self.model_gamma is not None:
+            return
+        if self.model_gamma is not None:
             self.model_gamma.update(outcome)
+        self.then.feedback(seq, outcome)

@@ -39,6 +39,15 @@ SUFFIX_GAMMA_MAX = 32
 # this share of the parent's own rate (the margin covers the VM's minute-to-minute drift of 10-30 %).
 GUARD_MIN_CYCLES = 6
 GUARD_RATIO = 0.9
+# A draft that proposed nothing in less than this made no model call (a memory lookup found no match, a rested
+# drafter declined): its cycle is the parent's own step. One that took longer paid for model calls that drafted
+# nothing (a stop below p_min): a drafting cycle that kept nothing, which the γ policies and the rate guard count.
+FREE_DRAFT_S = 0.002
+
+
+def drafted(outcome: CycleOutcome) -> int:
+    """The tokens a cycle counts as drafted: those proposed, or one for a paid draft that proposed none."""
+    return outcome.proposed or (1 if outcome.draft_s >= FREE_DRAFT_S else 0)
 
 
 def verify_shape(n: int) -> float:
@@ -128,13 +137,14 @@ class AdaptiveGamma:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def update(self, outcome: CycleOutcome) -> None:
-        if outcome.proposed:
-            self.acceptance.observe(outcome.accepted, outcome.proposed)
-            self.t_draft = self._ema(self.t_draft, outcome.draft_s / outcome.proposed)
+        n = drafted(outcome)
+        if n:
+            self.acceptance.observe(outcome.accepted, n)
+            self.t_draft = self._ema(self.t_draft, outcome.draft_s / n)
         self.t_verify[outcome.scored] = self._ema(self.t_verify.get(outcome.scored), outcome.verify_s)
         self.gamma = self._choose()
         # After probe_every cycles without drafting, draft one token once: acceptance may have changed.
-        self._since_draft = 0 if outcome.proposed or self.gamma else self._since_draft + 1
+        self._since_draft = 0 if n or self.gamma else self._since_draft + 1
         self._probe = self._since_draft >= self.probe_every
         if self._probe:
             self._since_draft = 0
@@ -192,7 +202,7 @@ class RateGuard:
         made = outcome.accepted + 1
         self._made += made
         self.position += made
-        if outcome.proposed == 0:
+        if not drafted(outcome):
             self._plain.append(outcome.verify_s)
             return
         self._cycles += 1

@@ -44,6 +44,11 @@ class DraftHost(Protocol):
         prior shape): what a second drafting level weighs its proposals against."""
         ...
 
+    def pacer(self):
+        """The batch's round pacer as this policy's drafters use it (decoding.rounds.Pace) when the drafter
+        decodes beside other sequences (a serving slot's), else None."""
+        ...
+
     def memory(self):
         """The drafting memory of this policy as this scope sees it (decoding.memory.ScopedMemory), shared by every
         drafter of them."""
@@ -85,7 +90,8 @@ def _model(role: str, window: Optional[int] = None, kv_import: bool = True):
         from specquant_cli.decoding.drafters import ModelDrafter
 
         parent = host.context(target) if host.kv_import and kv_import else None
-        return ModelDrafter(host.context(role), role, host.p_min, window=window, parent=parent)
+        return ModelDrafter(host.context(role), role, host.p_min, window=window, parent=parent, pacer=host.pacer(),
+                            role=role)
 
     return build
 
@@ -111,7 +117,8 @@ def _stacked(role: str, first=None):
         memory = first.memory if first is not None else host.memory()
         lower = SuffixDrafter(LEVEL2_MAX, verify_cost=host.draft_cost(role), memory=memory, record=first is None)
         parent = host.context(target) if host.kv_import else None
-        return ModelDrafter(host.context(role), f"stacked-{role}", host.p_min, parent=parent, lower=lower)
+        return ModelDrafter(host.context(role), f"stacked-{role}", host.p_min, parent=parent, lower=lower,
+                            pacer=host.pacer(), role=role)
 
     return build
 

@@ -16,6 +16,7 @@ from typing import Optional
 import numpy as np
 
 from specquant_cli.decoding.gamma import GAMMA_MAX, SUFFIX_GAMMA_MAX, best_draft_length, expected_tokens, verify_shape
+from specquant_cli.decoding.rounds import best_calls
 from specquant_cli.family.roles import PARENT_ROLE, STANDARD_DRAFTS
 from specquant_cli.routing.plan import Plan, PlanContext
 
@@ -131,6 +132,23 @@ def stacked_step(calibration, role: str, copy: float) -> Optional[float]:
     return best
 
 
+def in_batch(calibration) -> bool:
+    """The costs are a batch view (Calibration.for_batch) of more than one sequence, with its single costs."""
+    return calibration is not None and getattr(calibration, "batch", 1) > 1 and \
+        getattr(calibration, "single", None) is not None
+
+
+def batch_speedup(calibration, role: str, alpha: float, runs, position: int = 0) -> tuple[float, int]:
+    """(speedup, draft length) of `role`'s drafts for one of B sequences decoding together, priced per batch
+    round (decoding.rounds): every sequence of the batch drafting in step, their draft calls and the parent's
+    verification shared, against the parent's round over the B sequences, after `position` positions (those of
+    the whole KV cache: the other sequences' included). (1.0, 0) when no draft length lowers the batch's time per
+    token: the round pacer then drafts nothing, whatever the plan."""
+    one = calibration.single.at(position) if position else calibration.single
+    g, s = best_calls(one, role, calibration.batch, calibration.batch, alpha, runs)
+    return s, g
+
+
 def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
                state: Optional[AutoState] = None, position: int = 0, prompt_tokens: int = 0,
                answer_tokens: int = 0) -> list[Candidate]:
@@ -142,7 +160,8 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
     (`prompt_tokens`), once per answer, is spread over `answer_tokens` where it was measured."""
     from specquant_cli.decoding.registry import DRAFTERS, model_draft_roles
 
-    if calibration is not None and position and hasattr(calibration, "at"):
+    depth = position + getattr(calibration, "beside", 0)  # the other sequences' cells are read too
+    if calibration is not None and depth and hasattr(calibration, "at"):
         calibration = calibration.at(position)
     vc = calibration.verify_cost if calibration else verify_shape
     out = [Candidate("parent", None, 1.0, 0, "the floor: F16 alone")]
@@ -159,19 +178,23 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
         cycle = (lambda g, r=role: calibration.draft_cycle(r, g)) if role in measured else (lambda g, k=ratio: g * k)
         s, g = _model_speedup(alpha, cycle, vc, runs)
         stacked = stacked_step(calibration, role, copy) if role in measured else None
-        if stacked is not None and f"stacked-{role}" in DRAFTERS:
+        two_level = stacked is not None and f"stacked-{role}" in DRAFTERS
+        if two_level:
             # The two-level form replaces the plain one: with no proposal on offer its step is the plain step,
             # and its lower level sizes each proposal from the draft's batch curve and the acceptance it sees.
             s, g = _model_speedup(alpha, lambda g, r=role, k=stacked: calibration.draft_cycle(r, g) * k, vc, runs)
+        if role in measured and in_batch(calibration):  # beside other sequences: priced per batch round
+            s, g = batch_speedup(calibration, role, alpha, runs, depth)
+        if two_level:
             out.append(Candidate(f"stacked-{role}", f"stacked-{role}", s, g, f"{role} drafts, its steps speculated "
                                  f"by suffix proposals ({stacked:.2f}x the cost of a plain step at copy potential "
                                  f"{copy:.2f}), acceptance prior {alpha:.0%}, best draft length {g}",
                                  needs=MODEL_MARGIN, model=True))
-            out += _mixed(f"stacked-{role}", s, g, copy, suffix)
+            out += _mixed(f"stacked-{role}", s, g, copy)
             continue
         out.append(Candidate(role, role, s, g, f"{role} step {ratio:.2f}x a parent step, acceptance prior "
                                                f"{alpha:.0%}, best draft length {g}", needs=MODEL_MARGIN, model=True))
-        out += _mixed(role, s, g, copy, suffix)
+        out += _mixed(role, s, g, copy)
     _charge_imports(out, calibration, prompt_tokens, answer_tokens)
     if state:
         for c in out:
@@ -197,14 +220,15 @@ def _charge_imports(cands: list[Candidate], calibration, prompt_tokens: int, ans
             c.predicted = answer_tokens / (answer_tokens / c.predicted + calls)
 
 
-def _mixed(name: str, s: float, g: int, copy: float, suffix: float) -> list[Candidate]:
+def _mixed(name: str, s: float, g: int, copy: float) -> list[Candidate]:
     """`suffix+name`: suffix drafts cover the copy share of the answer, `name`'s drafts (predicted `s`) the
-    rest; time per token adds up."""
+    rest; time per token adds up. None when `name`'s drafts do not clear MODEL_MARGIN themselves: a draft that
+    barely pays alone is within the cost model's error, and mixed in it only adds the model's calls."""
     from specquant_cli.decoding.registry import DRAFTERS
 
-    if f"suffix+{name}" not in DRAFTERS:
+    if f"suffix+{name}" not in DRAFTERS or s < MODEL_MARGIN:
         return []
-    mix = 1.0 / (copy / COPY_GAIN + (1.0 - copy) / s) if s > 1.0 else suffix
+    mix = 1.0 / (copy / COPY_GAIN + (1.0 - copy) / s)
     return [Candidate(f"suffix+{name}", f"suffix+{name}", mix, g, f"suffix drafts on copy runs, {name} elsewhere",
                       needs=MODEL_MARGIN)]
 

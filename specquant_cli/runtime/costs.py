@@ -28,6 +28,12 @@ class CostModel:
     calibration's progress and warnings go (the command layer's stderr reporter; silent by default)."""
 
     batch = 1  # the sequences decoded together that these costs are for
+    pacer = None  # the batch's round pacer (decoding.rounds.RoundPacer): only a batch view has one
+
+    @staticmethod
+    def beside() -> int:
+        """Positions other sequences hold in the same KV caches (a batch view's; none alone)."""
+        return 0
 
     def __init__(self, pool: Models, gamma: int = DEFAULT_GAMMA, report: Reporter = SILENT):
         self.pool = pool
@@ -186,18 +192,24 @@ class CostModel:
             return AdaptiveGamma(gamma_max=max(GAMMA_MAX, self.gamma), gamma_init=self.gamma)
         return FixedGamma(0 if kind == "none" else self.gamma)
 
-    def for_batch(self, batch_size: Callable[[], int]) -> BatchCosts:
-        return BatchCosts(self, batch_size)
+    def for_batch(self, batch_size: Callable[[], int], pacer=None, beside: Callable[[], int] = lambda: 0
+                  ) -> BatchCosts:
+        return BatchCosts(self, batch_size, pacer, beside)
 
 
 class BatchCosts(CostModel):
-    """`base`'s costs as one of `batch_size()` sequences decoded together sees them (Calibration.for_batch):
-    what a serving slot plans with. Never measures: the pool's model does, before serving starts."""
+    """`base`'s costs as one of `batch_size()` sequences decoded together sees them (Calibration.for_batch),
+    after the `beside()` positions the other sequences hold in the same KV caches: what a serving slot plans
+    with, and the `pacer` its model drafts share with the other slots'. Never measures: the pool's model does,
+    before serving starts."""
 
-    def __init__(self, base: CostModel, batch_size: Callable[[], int]):
+    def __init__(self, base: CostModel, batch_size: Callable[[], int], pacer=None,
+                 beside: Callable[[], int] = lambda: 0):
         super().__init__(base.pool, base.gamma, base.report)
         self._base = base
         self._batch_size = batch_size
+        self.pacer = pacer
+        self.beside = beside
 
     @property
     def batch(self) -> int:
@@ -205,4 +217,4 @@ class BatchCosts(CostModel):
 
     def calibration(self, measure: bool = True, force: bool = False, require_save: bool = False):
         c = self._base.calibration(measure=False)
-        return c.for_batch(self.batch) if c is not None else None
+        return c.for_batch(self.batch, self.beside()) if c is not None else None

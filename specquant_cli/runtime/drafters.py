@@ -79,6 +79,13 @@ class DrafterCache:
     def clear(self) -> None:
         self._kept.clear()
 
+    def forget(self) -> None:
+        """Drop the kept drafters and empty every policy's drafting memory (for every cache sharing them): a
+        measurement run that must not draft from an earlier run's answers."""
+        self._kept.clear()
+        with self._memory_lock:
+            self._memories.clear()
+
 
 @dataclass
 class _Host:
@@ -111,6 +118,16 @@ class _Host:
 
     def draft_cost(self, role: str) -> Callable[[int], float]:
         return self.cache.costs.draft_cost(role)
+
+    def pacer(self):
+        """The batch's round pacer as this policy's drafters use it: a planned policy's drafts may rest while
+        they would slow the batch, a fixed policy's always draft (only their length is paced)."""
+        from specquant_cli.routing.policies import policy_spec
+
+        costs = self.cache.costs
+        if costs.pacer is None:
+            return None
+        return costs.pacer.pace(rest=policy_spec(self.policy).planner is not None, beside=costs.beside)
 
     def memory(self):
         return self.cache.memory(self.policy, self.scope)

@@ -73,6 +73,7 @@ class Calibration:
 
     batch = 1  # sequences decoding together that the figures are per-sequence shares of (for_batch)
     single = None  # for a batch view: the costs of one sequence alone (a Calibration; not a stored field)
+    beside = 0  # for a batch view: positions the other sequences of the same KV cache hold (for_batch)
 
     def call_s(self, n: int) -> float:
         """Seconds of a parent call on n tokens (linear beyond the measured sizes)."""
@@ -113,13 +114,15 @@ class Calibration:
 
     def call_s_at(self, n: int, pos: int) -> float:
         """Seconds of a parent call on n tokens after `pos` positions (call_s scaled by depth_factor; on a
-        batch view, the factor of the whole batch's call)."""
-        return self.call_s(n) * self.depth_factor(PARENT_ROLE, n * self.batch, pos)
+        batch view, the factor of the whole batch's call, after `beside` more positions)."""
+        return self.call_s(n) * self.depth_factor(PARENT_ROLE, n * self.batch, pos + self.beside)
 
     def at(self, pos: int) -> Calibration:
-        """These costs after `pos` positions of context: every parent call and draft call scaled by its
-        depth_factor (a batch view stays one, its parent calls scaled as the whole batch's call). Unchanged
-        where nothing was measured deep."""
+        """These costs after `pos` positions of context (and, on a batch view, the `beside` positions the other
+        sequences hold): every parent call and draft call scaled by its depth_factor (a batch view stays one,
+        its parent calls scaled as the whole batch's call; `beside` is then counted in). Unchanged where
+        nothing was measured deep."""
+        pos += self.beside
         if not self.deep_call_s or pos <= PREFILL_TOKENS:
             return self
 
@@ -146,17 +149,16 @@ class Calibration:
         slope = max(0.0, (points[hi] - points[lo]) / (hi - lo))
         return max(0.0, points[lo] + slope * (n_tokens - lo))
 
-    def for_batch(self, b: int) -> Calibration:
+    def for_batch(self, b: int, beside: int = 0) -> Calibration:
         """The costs one of `b` sequences decoding together sees: a parent call with n tokens for each costs
-        call(b * n), shared b ways; a draft step costs what it costs alone. Concurrent requests' draft steps
-        rarely line up — each has its own draft length, accepts and misses — so a round holds one request's
-        draft call beside another's parent call and every member waits for both. (Priced as shared, like the
-        parent's, suffix+q4 drafts were predicted 1.2-1.8x the parent at 2 requests on the Intel Xeon, and
-        ran 0.80x.) b = 1: self."""
-        if b <= 1:
+        call(b * n), shared b ways; a draft step costs what it costs alone (decoding.rounds prices a model draft
+        per batch round). `beside`: the positions the other sequences of the same KV cache hold — one unified
+        cache for every sequence, so attention reads their cells too (masked), and every call costs as if after
+        that many more positions (`at`, `call_s_at`). b = 1 and nothing beside: self."""
+        if b <= 1 and not beside:
             return self
         view = replace(self, parent_call_s={n: self.call_s(b * n) / b for n in self.parent_call_s})
-        view.batch, view.single = b, self
+        view.batch, view.single, view.beside = max(1, b), self, max(0, beside)
         return view
 
     def to_dict(self) -> dict:
