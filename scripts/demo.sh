@@ -12,5 +12,5 @@ specquant doctor --family "$FAMILY"
 echo "== echo '…' | specquant chat --stats" >&2
 echo "Write a Python function that returns the n-th Fibonacci number." \
   | specquant chat --family "$FAMILY" --max-tokens 96 --stats
-echo "== specquant bench (short: 2 prompts, parent vs auto)" >&2
-specquant bench --family "$FAMILY" --categories code,summarization --limit 1 --policies parent,auto --max-tokens 96
+echo "== specquant bench prompts (short: 2 prompts, parent vs auto)" >&2
+specquant bench prompts --family "$FAMILY" --categories code,summarization --limit 1 --policies parent,auto --max-tokens 96

@@ -116,7 +116,6 @@ def _register() -> None:
         calibrate_activations,
         chat,
         doctor,
-        loadtest,
         pull,
         quantize,
         route,
@@ -124,7 +123,7 @@ def _register() -> None:
         worker,
     )
 
-    for mod in (pull, quantize, calibrate_activations, doctor, route, calibrate, chat, bench, loadtest, serve, worker):
+    for mod in (pull, quantize, calibrate_activations, doctor, route, calibrate, chat, bench, serve, worker):
         mod.register(app)
 
 

@@ -719,6 +719,14 @@ def env(name: str) -> str:
     return os.environ.get(name, "")
 
 
+def child_env(**internal: str) -> dict[str, str]:
+    """The environment for a child process of ours: this one's, with the given internal variables set."""
+    unknown = [k for k in internal if k not in INTERNAL_ENV]
+    if unknown:
+        raise KeyError(f"{', '.join(unknown)}: not internal variables (settings.INTERNAL_ENV)")
+    return {**os.environ, **internal}
+
+
 _resolved_debug: list[bool] = []  # general.debug as the running command resolved it (specquant.toml included)
 
 

@@ -12,7 +12,7 @@ from conftest import run_cli
 @pytest.fixture(scope="module")
 def report(family_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    r = run_cli(["bench", "--family", str(family_dir), "--categories", "qa,math", "--limit", "1",
+    r = run_cli(["bench", "prompts", "--family", str(family_dir), "--categories", "qa,math", "--limit", "1",
                  "--policies", "parent,spec-q4", "--max-tokens", "16", "--warmup", "1",
                  "--json-file", str(out / "b.json"), "--markdown", str(out / "b.md")])
     assert r.exit_code == 0, r.stderr
@@ -131,9 +131,9 @@ def test_shared_datasets_load(tmp_path):
 def test_bad_dataset_and_category_are_one_line(tmp_path, family_dir):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "no turns"}\n')
-    r = run_cli(["bench", "--family", str(family_dir), "--dataset", str(bad)])
+    r = run_cli(["bench", "prompts", "--family", str(family_dir), "--dataset", str(bad)])
     assert r.exit_code == 1 and "not a Spec-Bench question" in r.stderr and r.stderr.count("\n") == 1
-    r = run_cli(["bench", "--family", str(family_dir), "--categories", "poetry"])
+    r = run_cli(["bench", "prompts", "--family", str(family_dir), "--categories", "poetry"])
     assert r.exit_code == 1 and "no items in category 'poetry'" in r.stderr
 
 
@@ -148,7 +148,7 @@ def test_plot_without_matplotlib_is_a_clear_message(tmp_path, family_dir, monkey
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_mpl)
-    r = run_cli(["bench", "--family", str(family_dir), "--plot", str(tmp_path / "p.png")])
+    r = run_cli(["bench", "prompts", "--family", str(family_dir), "--plot", str(tmp_path / "p.png")])
     assert r.exit_code == 1 and "pip install 'specquant[plot]'" in r.stderr
     assert not (tmp_path / "p.png").exists()
 
@@ -197,8 +197,8 @@ def test_a_bf16_parent_is_benched_beside_the_f16_parent(family_dir, tmp_path):
     alone beside it (the figure users know), says which rendering is the parent, and prices every policy
     against both."""
     out = tmp_path / "b.json"
-    r = run_cli(["bench", "--family", str(family_dir), "--categories", "qa", "--limit", "1", "--parent", "bf16",
-                 "--policies", "parent,spec-q4", "--max-tokens", "8", "--warmup", "0", "--json-file", str(out)])
+    r = run_cli(["bench", "prompts", "--family", str(family_dir), "--categories", "qa", "--limit", "1", "--parent",
+                 "bf16", "--policies", "parent,spec-q4", "--max-tokens", "8", "--warmup", "0", "--json-file", str(out)])
     assert r.exit_code == 0, r.stderr
     rep = json.loads(out.read_text())
     assert rep["family"]["parent"] == {"rendering": "bf16", "why": "bf16, as asked (--parent)"}
@@ -209,6 +209,6 @@ def test_a_bf16_parent_is_benched_beside_the_f16_parent(family_dir, tmp_path):
     assert summ["parent"]["f16_speedup"] == pytest.approx(summ["parent"]["tokens_per_s"]
                                                            / summ["parent-f16"]["tokens_per_s"], abs=1e-3)
     assert [r["policy"] for r in rep["records"]] == ["parent", "spec-q4", "parent-f16"]
-    r = run_cli(["bench", "--family", str(family_dir), "--categories", "qa", "--limit", "1", "--parent", "f16",
-                 "--policies", "parent", "--max-tokens", "4", "--warmup", "0", "--json-file", str(out)])
+    r = run_cli(["bench", "prompts", "--family", str(family_dir), "--categories", "qa", "--limit", "1", "--parent",
+                 "f16", "--policies", "parent", "--max-tokens", "4", "--warmup", "0", "--json-file", str(out)])
     assert r.exit_code == 0 and [s["policy"] for s in json.loads(out.read_text())["summary"]] == ["parent"]

@@ -184,7 +184,7 @@ def test_bench_flags_a_broken_verifier(family_dir, tmp_path, monkeypatch):
     spec-q4's answer is corrupted); the JSON, the markdown and a one-line stderr warning say so."""
     monkeypatch.setattr("specquant_cli.decoding.engine.LinearVerifier", ThirdChoiceOnce)
     out = tmp_path / "b.json"
-    r = run_cli(["bench", "--family", str(family_dir), "--categories", "qa", "--limit", "1", "--policies",
+    r = run_cli(["bench", "prompts", "--family", str(family_dir), "--categories", "qa", "--limit", "1", "--policies",
                  "parent,spec-q4", "--max-tokens", "12", "--warmup", "0", "--json-file", str(out),
                  "--markdown", str(tmp_path / "b.md")])
     assert r.exit_code == 0, r.stderr

@@ -56,12 +56,12 @@ USAGE = [
     (["chat", "--ctx", "-4096", "hi"], "--ctx"),
     (["chat", "--ctx", "99999999999", "hi"], "--ctx"),
     (["chat", "--bogus", "hi"], "--bogus"),
-    (["bench", "--temperature", "inf"], "--temperature"),
-    (["bench", "--seed", "-1"], "--seed"),
-    (["bench", "--limit", "0"], "--limit"),
-    (["bench", "--repeats", "0"], "--repeats"),
-    (["bench", "--warmup", "-1"], "--warmup"),
-    (["bench", "--ctx", "10"], "--ctx"),
+    (["bench", "prompts", "--temperature", "inf"], "--temperature"),
+    (["bench", "prompts", "--seed", "-1"], "--seed"),
+    (["bench", "prompts", "--limit", "0"], "--limit"),
+    (["bench", "prompts", "--repeats", "0"], "--repeats"),
+    (["bench", "prompts", "--warmup", "-1"], "--warmup"),
+    (["bench", "prompts", "--ctx", "10"], "--ctx"),
     (["doctor", "--ctx", "-4096"], "--ctx"),
     (["doctor", "--ctx", "0"], "--ctx"),
     (["quantize", "x.gguf", "--threads", "-1"], "--threads"),
@@ -86,11 +86,11 @@ def _prompt_cases(fam):
     return [
         (["chat", *f, "--policy", "fastest", "hi"], None, "unknown policy 'fastest'"),
         (["route", *f, "--policy", "nope", "hi"], None, "unknown policy 'nope'"),
-        (["bench", *f, "--policies", ","], None, "--policies ',': no policy given"),
-        (["bench", *f, "--policies", " , "], None, "no policy given"),
-        (["bench", *f, "--policies", "parent,nope"], None, "unknown policy 'nope'"),
-        (["bench", *f, "--categories", ","], None, "--categories ',': no category given"),
-        (["bench", *f, "--categories", "nope"], None, "no items in category 'nope'"),
+        (["bench", "prompts", *f, "--policies", ","], None, "--policies ',': no policy given"),
+        (["bench", "prompts", *f, "--policies", " , "], None, "no policy given"),
+        (["bench", "prompts", *f, "--policies", "parent,nope"], None, "unknown policy 'nope'"),
+        (["bench", "prompts", *f, "--categories", ","], None, "--categories ',': no category given"),
+        (["bench", "prompts", *f, "--categories", "nope"], None, "no items in category 'nope'"),
         (["chat", *f, ""], None, "empty prompt"),
         (["chat", *f, "   "], None, "empty prompt"),
         (["chat", *f], "", "empty prompt"),
@@ -201,7 +201,7 @@ def test_bad_dataset_refused_before_models_load(work, tiny_family, text, needle)
     ds = work / "bad.jsonl"
     ds.write_bytes(text if isinstance(text, bytes) else text.encode())
     before = snapshot(work)
-    line = assert_clean_error(cli(["bench", "--family", tiny_family, "--dataset", ds]), 1, needle)
+    line = assert_clean_error(cli(["bench", "prompts", "--family", tiny_family, "--dataset", ds]), 1, needle)
     assert "bad.jsonl" in line or "no benchmark items" in line
     assert snapshot(work) == before
 
@@ -210,7 +210,7 @@ def test_bad_dataset_refused_before_models_load(work, tiny_family, text, needle)
 def test_unreadable_dataset(work, tiny_family, kind):
     path = work / "missing.jsonl" if kind == "missing" else work
     needle = "No such file" if kind == "missing" else "Is a directory"
-    assert_clean_error(cli(["bench", "--family", tiny_family, "--dataset", path]), 1, str(path), needle)
+    assert_clean_error(cli(["bench", "prompts", "--family", tiny_family, "--dataset", path]), 1, str(path), needle)
 
 
 # -- bench outputs: checked for writability before the run, inputs never overwritten -------------------
@@ -233,7 +233,7 @@ def test_bench_outputs_checked_before_the_run(tmp_path, monkeypatch, tiny_family
     (tmp_path / "ok.jsonl").write_text(json.dumps({"turns": ["Hi?"]}) + "\n")
     args, option, needle = _output_cases(tmp_path)[i]
     before = snapshot(tmp_path)
-    assert_clean_error(cli(["bench", "--family", tiny_family, *args]), 1, option, needle)
+    assert_clean_error(cli(["bench", "prompts", "--family", tiny_family, *args]), 1, option, needle)
     assert snapshot(tmp_path) == before
 
 
@@ -271,7 +271,7 @@ def test_bench_item_longer_than_the_context_is_named_before_models_load(work, fa
     ds = work / "long.jsonl"
     ds.write_text(json.dumps({"question_id": "big", "turns": [WORDS * 100]}) + "\n")
     before = snapshot(work)
-    assert_clean_error(cli(["bench", "--family", family_dir, "--dataset", ds, "--ctx", "256"]), 1,
+    assert_clean_error(cli(["bench", "prompts", "--family", family_dir, "--dataset", ds, "--ctx", "256"]), 1,
                        "long:big", "exceeds the context size 256")
     assert snapshot(work) == before
 

@@ -1,7 +1,8 @@
 """The package's import graph has no circles: a lower module never imports a higher one, not even inside a
 function or for type checking only (what `settings` checks against is handed to it from above: the policy table
 registers itself) — neither between modules nor between the package's rooms (its top-level modules and folders),
-so the rooms stand on floors, every arrow running down."""
+so the rooms stand on floors, every arrow running down. And no module is much longer than a screenful of
+screens without saying why in its docstring."""
 
 from __future__ import annotations
 
@@ -100,6 +101,17 @@ def test_settings_imports_nothing_above_it():
 def test_a_circle_is_found():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
+
+LONG = 520  # lines: past this a module says in its docstring why it stays one file
+
+
+def test_a_long_module_says_why_it_is_one_file():
+    long = []
+    for path in PKG.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > LONG and "Why one file" not in (ast.get_docstring(ast.parse(text)) or ""):
+            long.append(path.relative_to(PKG.parent).as_posix())
+    assert long == []
 
 
 def test_a_room_circle_is_found():

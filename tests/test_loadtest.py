@@ -1,4 +1,4 @@
-"""`specquant loadtest`: the figures on synthetic timings, the arrivals, the scenarios against a scripted
+"""`specquant bench load`: the figures on synthetic timings, the arrivals, the scenarios against a scripted
 OpenAI-compatible server (stdlib, in a thread: it records every request), and one real run against
 `specquant serve` on the demo family with every answer judged against the parent alone."""
 
@@ -216,7 +216,7 @@ def fake():
 
 
 def loadtest(url, *args):
-    r = run_cli(["loadtest", "--url", url, *args])
+    r = run_cli(["bench", "load", "--json", "--url", url, *args])
     return r, (json.loads(r.stdout) if r.exit_code == 0 else None)
 
 
@@ -267,7 +267,7 @@ def test_without_usage_the_pieces_are_counted_and_extra_body_and_key_are_sent(fa
     srv = fake(key="k-123", usage=False, pieces=3)
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     r, rep = loadtest(srv.url + "/v1/", "--api-key", "k-123", "--conversations", "2", "--model", "mine",
-                      "--extra-body", '{"cache_prompt": false}', "--out", str(out), "--markdown", str(md))
+                      "--extra-body", '{"cache_prompt": false}', "--json-file", str(out), "--markdown", str(md))
     assert r.exit_code == 0, r.stderr
     assert all(q["headers"]["Authorization"] == "Bearer k-123" for q in srv.requests)
     assert all(q["body"]["cache_prompt"] is False and q["body"]["model"] == "mine" for q in srv.requests)
@@ -323,7 +323,7 @@ def test_poisson_run_starts_each_conversation_at_its_arrival(fake):
     (["--url", "http://127.0.0.1:1"], "cannot reach the server at http://127.0.0.1:1"),
 ])
 def test_bad_input_and_an_unreachable_server_are_one_line(args, message):
-    r = run_cli(["loadtest", *args])
+    r = run_cli(["bench", "load", *args])
     assert r.exit_code == 1, r.stdout
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and message in r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
@@ -331,14 +331,14 @@ def test_bad_input_and_an_unreachable_server_are_one_line(args, message):
 
 def test_a_refused_key_is_one_line(fake):
     srv = fake(key="secret")
-    r = run_cli(["loadtest", "--url", srv.url])
+    r = run_cli(["bench", "load", "--url", srv.url])
     assert r.exit_code == 1
     assert r.stderr.strip() == (f"error: GET {srv.url}/v1/models: HTTP 401: Invalid API key (give --api-key)")
 
 
 def test_ctrl_c_stops_the_run_cleanly(fake):
     srv = fake(delay=0.2, pieces=500)  # answers that would take 100 s each
-    proc = subprocess.Popen([sys.executable, "-m", "specquant_cli", "loadtest", "--url", srv.url,
+    proc = subprocess.Popen([sys.executable, "-m", "specquant_cli", "bench", "load", "--url", srv.url,
                              "--conversations", "2", "--concurrency", "2"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -366,9 +366,9 @@ def real_server(family_dir):
 
 def test_against_specquant_serve_every_answer_is_the_parents(real_server, family_dir, tmp_path):
     out = tmp_path / "load.json"
-    cmd = [sys.executable, "-m", "specquant_cli", "loadtest", "--url", real_server.url, "--scenario", "shared-system",
-           "--system-tokens", "100", "--conversations", "2", "--turns", "2", "--concurrency", "2",
-           "--max-tokens", "8", "--family", str(family_dir), "--threads", "1", "--out", str(out)]
+    cmd = [sys.executable, "-m", "specquant_cli", "bench", "load", "--url", real_server.url, "--scenario",
+           "shared-system", "--system-tokens", "100", "--conversations", "2", "--turns", "2", "--concurrency", "2",
+           "--max-tokens", "8", "--family", str(family_dir), "--threads", "1", "--json", "--json-file", str(out)]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)

@@ -1,4 +1,4 @@
-"""`specquant loadtest` trusts no server: the real client (load.run, stream_chat, find_model, and the command in a
+"""`specquant bench load` trusts no server: the real client (load.run, stream_chat, find_model, and the command in a
 child process) against a raw-socket HTTP server on loopback that sends exactly the bytes each hostile case wants,
 made on the fly (a line with no end, gzip bombs, bodies of hundreds of MB, trickles, pings after the finish,
 answers longer than max_tokens). Each case fails fast, with its reason as the request's error, memory bounded."""
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from specquant_cli.bench import bounded, load
+from specquant_cli.bench import answer, bounded, load
 from specquant_cli.errors import SpecquantError
 
 from conftest import REPO
@@ -363,7 +363,7 @@ def test_slow_pings_after_the_finish_end_the_answer_after_the_grace(hostile):
 
     (r,), took = ask(hostile(chat).url, request_timeout=30.0)
     assert r.ok and r.text == "Hello, world." and r.output_tokens == 3 and r.tokens_from == "usage"
-    assert load.FINISH_GRACE_S - 0.1 < took < load.FINISH_GRACE_S + 2
+    assert answer.FINISH_GRACE_S - 0.1 < took < answer.FINISH_GRACE_S + 2
     assert r.e2e_s < 1.0  # to the last event, not to the end of the grace
 
 
@@ -411,7 +411,7 @@ def specquant(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     exe = REPO / ".venv" / "bin" / "specquant"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "specquant_cli"]
     t = time.monotonic()
-    p = subprocess.run([*cmd, "loadtest", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    p = subprocess.run([*cmd, "bench", "load", "--json", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
     return p, time.monotonic() - t
 
 
@@ -433,7 +433,7 @@ def test_the_command_ends_at_its_deadline(hostile):
     srv = hostile(pings_forever)
     p, took = specquant("--url", srv.url, "--conversations", "2", "--deadline", "2")
     assert p.returncode == 1 and took < FAST_S and "Traceback" not in p.stderr
-    assert "loadtest: the run's deadline of 2 s passed; 1 of 2 requests not sent" in p.stderr
+    assert "bench load: the run's deadline of 2 s passed; 1 of 2 requests not sent" in p.stderr
     assert p.stderr.splitlines()[-1] == ("error: no request succeeded (first error: cancelled: the run's deadline "
                                          "passed)")
     assert json.loads(p.stdout)["config"]["deadline_s"] == 2.0
@@ -444,6 +444,6 @@ def test_the_new_options_refuse_what_is_no_positive_number(value):
     from conftest import run_cli
 
     for option in ("--request-timeout", "--deadline"):
-        r = run_cli(["loadtest", "--url", "http://127.0.0.1:1", option, value])
+        r = run_cli(["bench", "load", "--url", "http://127.0.0.1:1", option, value])
         assert r.exit_code == 2 and option in r.stderr
         assert "expected a number above 0" in r.stderr or "not a finite number" in r.stderr

@@ -57,8 +57,8 @@ def test_registered_drafter_runs_through_chat_and_is_lossless(registered, family
 
 
 def test_registered_drafter_runs_through_bench(registered, family_dir):
-    r = run_cli(["bench", "--family", str(family_dir), "--categories", "qa", "--limit", "1", "--max-tokens", "12",
-                 "--policies", "parent,test-repeat", "--warmup", "0", "--json"])
+    r = run_cli(["bench", "prompts", "--family", str(family_dir), "--categories", "qa", "--limit", "1",
+                 "--max-tokens", "12", "--policies", "parent,test-repeat", "--warmup", "0", "--json"])
     assert r.exit_code == 0, r.stderr
     summ = {s["policy"]: s for s in json.loads(r.stdout)["summary"]}
     assert summ["test-repeat"]["identical_rate"] == 1.0 and summ["test-repeat"]["acceptance_rate"] is not None
@@ -73,7 +73,9 @@ def test_unknown_drafter_is_refused_at_registration():
 
 
 def test_readme_policy_table_is_generated_from_the_registry():
-    assert markdown_table() in (REPO / "README.md").read_text(encoding="utf-8")
+    table = markdown_table()
+    assert table in (REPO / "README.md").read_text(encoding="utf-8"), \
+        "README.md's policy table is not the registry's; replace it with:\n" + table
 
 
 def test_spec_of_any_draft_role_is_a_policy():

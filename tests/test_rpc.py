@@ -105,7 +105,7 @@ def test_greedy_output_through_workers_is_identical(family_dir, workers, policy,
 
 @pytest.mark.slow
 def test_bench_through_workers_is_identical_to_local(family_dir, workers, tmp_path):
-    args = ["bench", "--family", str(family_dir), "--categories", "qa,code", "--limit", "1", "--policies",
+    args = ["bench", "prompts", "--family", str(family_dir), "--categories", "qa,code", "--limit", "1", "--policies",
             "parent,spec-q4", "--max-tokens", "16", "--warmup", "0"]
     texts = {}
     for where, extra in (("local", []), ("remote", ["--rpc", workers])):

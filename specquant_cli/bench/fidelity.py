@@ -9,13 +9,14 @@ top two tokens is a `near-tie`; anything else is `unexplained`, which is a bug u
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from specquant_cli.backend.llama import Context
+from specquant_cli.errors import InputError
 
 IDENTICAL, NEAR_TIE, UNEXPLAINED = "identical", "near-tie", "unexplained"
 
@@ -204,12 +205,16 @@ def _classify_at(ctx: Context, prompt: Sequence[int], parent: Sequence[int], k: 
 def judge_text(ctx: Context, prompt: Sequence[int], text: str, max_tokens: int, bound: float) -> dict:
     """A served answer (`text`) against the parent's own greedy answer to `prompt`, decoded now in `ctx` from
     nothing, one token per call (as the parent policy decodes): classify_text's verdict."""
+    return classify_text(ctx, prompt, parent_answer(ctx, prompt, max_tokens), text, bound)
+
+
+def parent_answer(ctx: Context, prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """The parent's own greedy answer to `prompt`, decoded in `ctx` from nothing, one token per call."""
     from specquant_cli.decoding.engine import Engine
     from specquant_cli.decoding.stream import generate_text
 
     ctx.reset()
-    parent = generate_text(Engine(ctx), prompt, max_tokens)[1]
-    return classify_text(ctx, prompt, parent, text, bound)
+    return generate_text(Engine(ctx), prompt, max_tokens)[1]
 
 
 def check(ctx: Context, records: Sequence, prompts: dict[str, list[int]], gamma: int, gamma_max: int) -> dict:
@@ -236,3 +241,53 @@ def warning(fidelity: Optional[dict]) -> Optional[str]:
     where = ", ".join(f"{d['item']} ({d['policy']}, token {d['position']}, margin {d['margin']:.3g})" for d in bad)
     return (f"warning: {len(bad)} unexplained divergence{'s' if len(bad) > 1 else ''} from the parent's greedy "
             f"output: {where}")
+
+
+# -- a load's answers, known as text --------------------------------------------------------------------------
+
+class ParentAnswers:
+    """The parent alone, for judging: its context, the batch-vs-single noise (measured once) and its answer to
+    every prompt asked so far (a side by side asks each server the same conversations: a prompt that recurs,
+    because the servers' earlier answers were the same, is answered once)."""
+
+    def __init__(self, runtime, max_tokens: int):
+        from specquant_cli.decoding.gamma import GAMMA_MAX
+        from specquant_cli.family.roles import PARENT_ROLE
+
+        self.ctx = runtime.pool.context(PARENT_ROLE)
+        self.max_tokens = max_tokens
+        self.noise = measure_noise(self.ctx, runtime.costs.gamma, GAMMA_MAX)
+        self._answers: dict[tuple[int, ...], list[int]] = {}
+
+    def answer(self, prompt: Sequence[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in self._answers:
+            self._answers[key] = parent_answer(self.ctx, prompt, self.max_tokens)
+        return self._answers[key]
+
+
+def judge(results: Sequence, parent: ParentAnswers,
+          progress: Optional[Callable[[int, int], None]] = None) -> dict:
+    """After a load (bench.load): the parent alone answers each succeeded request's exact messages (one token per
+    call, as the `parent` policy decodes), and each served answer (a bench.answer.RequestResult) is classified
+    against it (classify_text: identical, near-tie within the measured batch-vs-single noise, or unexplained). Sets
+    each result's `fidelity`; returns the counts, the noise and the divergences."""
+    ctx, noise, max_tokens = parent.ctx, parent.noise, parent.max_tokens
+    counts = {IDENTICAL: 0, NEAR_TIE: 0, UNEXPLAINED: 0}
+    divergences = []
+    todo = [r for r in results if r.ok]
+    for i, r in enumerate(todo, 1):
+        prompt = ctx.model.chat_prompt(r.messages)
+        if len(prompt) + max_tokens > ctx.n_ctx:
+            raise InputError(f"conversation {r.conversation} turn {r.turn}: {len(prompt)} prompt tokens and "
+                             f"{max_tokens} new ones do not fit the parent's --ctx {ctx.n_ctx}; raise --ctx")
+        verdict = classify_text(ctx, prompt, parent.answer(prompt), r.text, noise.bound)
+        r.fidelity = verdict
+        counts[verdict["verdict"]] += 1
+        if verdict["verdict"] != IDENTICAL:
+            divergences.append({"conversation": r.conversation, "turn": r.turn, **verdict})
+        if progress:
+            progress(i, len(todo))
+    ctx.reset()
+    return {"judged": len(todo), "identical": counts[IDENTICAL], "near_tie": counts[NEAR_TIE],
+            "unexplained": counts[UNEXPLAINED], "noise": noise.to_dict(), "divergences": divergences}

@@ -251,6 +251,13 @@ def plot(summary: list[dict], path: Path) -> None:
     ax.set_ylim(-0.05, 1.1)
     ax.set_title("specquant policies: speed vs fidelity (red = lossy)")
     fig.tight_layout()
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> None:
+    """A matplotlib figure as a PNG at `path`, written atomically (no partial file), and closed."""
+    import matplotlib.pyplot as plt
+
     try:
         with atomic_open(Path(path), "wb") as f:
             fig.savefig(f, format="png", dpi=120)
@@ -274,12 +281,15 @@ def check_outputs(outputs: dict[str, Optional[Path]], inputs: Sequence[Path] = (
         seen[key] = opt
 
 
-def write_outputs(report: dict, json_out: Optional[Path], md_out: Optional[Path],
-                  plot_out: Optional[Path]) -> Optional[SpecquantError]:
-    """Write every requested output that can be written; the error naming those that failed, else None."""
+def write_outputs(report: dict, json_out: Optional[Path], md_out: Optional[Path], plot_out: Optional[Path] = None,
+                  render=None, draw=None) -> Optional[SpecquantError]:
+    """Write every requested output that can be written; the error naming those that failed, else None. `render`
+    (report -> markdown) and `draw` (report, path -> a PNG) are the subcommand's; a prompt-set report's by default."""
+    render = render or markdown
+    draw = draw or (lambda rep, p: plot(rep["summary"], p))
     jobs = [("--json-file", json_out, lambda p: write_json_atomic(p, report)),
-            ("--markdown", md_out, lambda p: write_text_atomic(p, markdown(report))),
-            ("--plot", plot_out, lambda p: plot(report["summary"], p))]
+            ("--markdown", md_out, lambda p: write_text_atomic(p, render(report))),
+            ("--plot", plot_out, lambda p: draw(report, p))]
     failed, written = [], []
     for opt, path, write in jobs:
         if path is None:

@@ -1,131 +1,50 @@
-from __future__ import annotations
+"""`specquant bench`: where measuring lives, one subcommand a measurement, each a thin edge over bench/.
 
-import shlex
-import sys
-import time
-from pathlib import Path
-from typing import Optional
+- `prompts`: policies side by side on prompt sets (Spec-Bench, GSM8K, the built-in set), in one process;
+- `load`: streamed conversations against an OpenAI-compatible server, or servers started fresh side by side;
+- `batch`: requests decoding together in one process (the server's slots and batcher, no HTTP);
+- `calls`: each role's call-cost curve (a parent or draft call on 1..16 tokens, prefill per token);
+- `engine`: the engine per drafter and draft length, against the cost its own calls predict;
+- `prefill`: a running stream's gaps while a long prompt is prefilled beside it, per --prefill-chunk;
+- `drafts`: draft variants' size, step, agreement with the parent and perplexity;
+- `rpc`: the parent local against llama.cpp RPC workers on loopback, and speculation against added delay;
+- `route`: the router's scores and tiers over a prompt set.
+
+Every subcommand: progress on stderr, a table on stderr, the report as JSON with --json (stdout) or --json-file,
+markdown with --markdown; nothing that is no data on stdout."""
+
+from __future__ import annotations
 
 import typer
 
-from specquant_cli.commands.options import JsonOpt, split_list, with_settings
-from specquant_cli.console import err, out_json, stderr_reporter
-from specquant_cli.routing.policies import bench_policies
-from specquant_cli.settings import Settings
-
 
 def register(app: typer.Typer) -> None:
-    app.command("bench", help="Measure policies side by side on the same prompts: speed, acceptance, fidelity, "
-                              "accuracy.")(bench)
+    from specquant_cli.commands import (
+        bench_batch,
+        bench_calls,
+        bench_drafts,
+        bench_engine,
+        bench_load,
+        bench_prefill,
+        bench_prompts,
+        bench_route,
+        bench_rpc,
+    )
+
+    group = typer.Typer(no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
+                        help="Measure: policies on prompt sets, servers under load, requests decoding together, "
+                             "call costs, the engine, prefill beside a stream, draft variants, RPC, the router.")
+    for mod in (bench_prompts, bench_load, bench_batch, bench_calls, bench_engine, bench_prefill, bench_drafts,
+                bench_rpc, bench_route):
+        mod.register(group)
+    app.add_typer(group, name="bench")
+    app.command("loadtest", hidden=True, add_help_option=False,
+                context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(_moved)
 
 
-@with_settings("decoding.temperature", "decoding.seed", "decoding.gamma", "runtime.family",
-               "runtime.parent", "runtime.ctx",
-               "runtime.threads", "runtime.mmap", "runtime.rpc", "runtime.rpc_timeout",
-               "decoding.draft_memory")
-def bench(
-    dataset: list[Path] = typer.Option([], "--dataset", help="Spec-Bench-format JSONL (repeatable); "
-                                                             "default: the built-in prompt set"),
-    categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories"),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most N prompts per category"),
-    policies: str = typer.Option(",".join(bench_policies()), "--policies", help="Comma-separated policies"),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=1),
-    repeats: int = typer.Option(1, "--repeats", min=1, help="Timed runs per prompt and policy"),
-    warmup: int = typer.Option(1, "--warmup", min=0, help="Warm-up generations per model before timing"),
-    json_out: bool = JsonOpt,
-    json_file: Optional[Path] = typer.Option(None, "--json-file", help="Write the full report (records + summary)"),
-    md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown report"),
-    plot_out: Optional[Path] = typer.Option(None, "--plot", help="PNG of speedup vs identical rate"),
-    *, cfg: Settings,
-) -> None:
-    """Greedy (--temperature 0, the default) is what identical_rate and the fidelity proof need; --seed defaults
-    to 0 here, so that a sampled bench repeats."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _moved() -> None:
+    """`specquant loadtest`, before the bench subcommands: one line saying where it went."""
+    from specquant_cli.errors import InputError
 
-    from specquant_cli.bench import datasets, fidelity, report, runner
-    from specquant_cli.decoding.sampling import SamplingParams
-    from specquant_cli.family.fetch import INFLATION_NOTE
-    from specquant_cli.routing.policies import check_policy
-    from specquant_cli.session import open_session
-    from specquant_cli.settings import SessionSettings
-    from specquant_cli.system.hardware import detect
-
-    # Everything that can be checked is checked before a model loads: a long run must not fail at its end.
-    names = [check_policy(p) for p in split_list(policies, "--policies", "policy")]
-    names = ["parent"] + [p for p in names if p != "parent"]  # the baseline runs first
-    report.check_outputs({"--json-file": json_file, "--markdown": md_out, "--plot": plot_out},
-                         inputs=[*dataset, *([cfg.config] if cfg.config else [])])
-    if plot_out:
-        report.check_plot_available()
-    cats = split_list(categories, "--categories", "category")
-    items = datasets.load(dataset, cats, limit)
-    facts = detect()
-    session = open_session(SessionSettings.of(cfg, facts=facts), report=stderr_reporter(), warn_ctx=True)
-    runtime, router, fam = session.runtime, session.router, session.runtime.family
-    for p in names:
-        check_policy(p, fam.roles())  # before a model loads
-    err.print(f"parent: {fam.parent_why}", markup=False)
-    reference = None  # the F16 parent beside a parent of another rendering: the figure users know
-    if "f16" in fam.renderings() and fam.parent_rendering != "f16":
-        from specquant_cli.runtime import Runtime
-
-        reference = Runtime.open(fam.bind("f16", "the F16 reference"), n_ctx=runtime.pool.n_ctx,
-                                 threads=runtime.pool.threads, facts=facts, mmap=cfg.runtime.mmap)
-    datasets.check_lengths(items, router.check_length)
-    temperature, seed, n_ctx = cfg.decoding.temperature, cfg.decoding.seed or 0, cfg.runtime.ctx
-    sp = SamplingParams(temperature=temperature, seed=seed)
-    t0 = time.perf_counter()
-    total = len(items) * (len(names) + (reference is not None))
-    try:
-        if err.is_terminal:
-            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=err) as prog:
-                task = prog.add_task("bench", total=total)
-                records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup,
-                                     lambda r: prog.update(task, advance=1, description=f"{r.item} {r.policy}"),
-                                     reference)
-        else:  # a log file or a pipe: one line per run instead of a redrawn bar
-            done = [0]
-
-            def line(r) -> None:
-                done[0] += 1
-                err.print(f"[{done[0]}/{total} {time.perf_counter() - t0:.0f}s] {r.item} {r.policy}: "
-                          f"{r.tokens_per_s:.2f} tok/s, {r.new_tokens} tokens", markup=False)
-
-            records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup, line, reference)
-        with err.status("fidelity: re-scoring divergences from the parent one token at a time"):
-            judged = runner.judge_fidelity(runtime, router, items, records, sp)  # after the clock
-    finally:
-        runtime.close()
-        if reference is not None:
-            reference.close()
-    if reference is not None:
-        names = [*names[:1], runner.REFERENCE, *names[1:]]
-    summary = report.summarize(records, names)
-    rep = {
-        "command": " ".join(["specquant"] + [shlex.quote(a) for a in sys.argv[1:]]),
-        "machine": facts.to_dict(),
-        "family": {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance, "caveat": INFLATION_NOTE,
-                   "roles": fam.manifest.get("roles", {}),
-                   "parent": {"rendering": fam.parent_rendering, "why": fam.parent_why}},
-        "config": {"items": len(items), "policies": names, "max_tokens": max_tokens, "temperature": temperature,
-                   "seed": seed, "repeats": repeats, "warmup": warmup, "gamma": cfg.decoding.gamma, "n_ctx": n_ctx,
-                   "datasets": [str(d) for d in dataset] or ["builtin"], "categories": cats, "limit": limit},
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "summary": summary,
-        "by_category": report.by_category(records, names),
-        "fidelity": judged,
-        "records": [r.to_dict() for r in records],
-    }
-    err.print(report.rich_table(summary, f"{fam.name}: {len(items)} prompts, {max_tokens} new tokens"))
-    err.print(f"provenance: {fam.provenance}\ncaveat: {INFLATION_NOTE}", markup=False)
-    if warning := fidelity.warning(judged):
-        err.print(warning, markup=False, soft_wrap=True)  # one line, however long
-    if "q4" not in names and "q4" in fam.roles():
-        err.print("note: add q4 to --policies to see each lossless policy's share of q4 alone's speed "
-                  "(the lossy alternative)", markup=False)
-    failure = report.write_outputs(rep, json_file, md_out, plot_out)  # each writable one is written
-    if json_out:
-        out_json(rep)
-    if failure:
-        raise failure
+    raise InputError("'specquant loadtest' is now 'specquant bench load' (the same options; the report goes to "
+                     "stdout with --json, to a file with --json-file)")

@@ -18,8 +18,9 @@ from specquant_cli.errors import InputError
 from specquant_cli.routing import policies as _policies  # noqa: F401  (registers the policy settings' names first)
 from specquant_cli.settings import CONFIG_NAME, Setting, SettingError, Settings, resolve, settings_table
 
-ConfigOpt = typer.Option(None, "--config", help=f"Settings and router config (TOML: [decoding], [runtime], "
-                                                f"[serving], [router] tables); default ./{CONFIG_NAME}")
+# Help text goes through rich's markup: a [table] name would vanish as an unknown style tag unless escaped.
+ConfigOpt = typer.Option(None, "--config", help=f"Settings and router config (TOML: \\[decoding], \\[runtime], "
+                                                f"\\[serving], \\[router] tables); default ./{CONFIG_NAME}")
 JsonOpt = typer.Option(False, "--json", help="JSON on stdout (one object per answer or report)")
 
 
@@ -153,6 +154,25 @@ def split_list(value: Optional[str], option: str, what: str) -> Optional[list[st
     if not items:
         raise InputError(f"{option} {value!r}: no {what} given")
     return items
+
+
+def int_list(value: str, option: str, lo: int, hi: int) -> list[int]:
+    """A comma-separated option of whole numbers, each in lo..hi, distinct, in the order given."""
+    items = split_list(value, option, "number") or []
+    out = []
+    for x in items:
+        if not (x.isascii() and x.isdigit()) or not lo <= int(x) <= hi:
+            raise InputError(f"{option} {value!r}: {x!r} is no whole number from {lo} to {hi}")
+        out.append(int(x))
+    return list(dict.fromkeys(out))
+
+
+def command_line() -> str:
+    """This command as typed (`specquant …`, each argument quoted for a shell): what a report says ran it."""
+    import shlex
+    import sys
+
+    return " ".join(["specquant"] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
 def load_family(path: Optional[Path]):

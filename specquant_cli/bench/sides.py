@@ -1,0 +1,319 @@
+"""Servers side by side, each started fresh: `specquant bench load --servers parent,auto,llama:plain …`.
+
+A server that answered one policy's prompts keeps them (its prompt cache, its slots' prefixes, its drafting
+memory), so a policy measured after another on the same server finds its prompts half computed. Here every
+contender gets a server of its own, started for it on a free loopback port (a `specquant serve` with an empty
+`--cache-dir` of its own and `--policies` its one policy, or llama-server in one of its modes on the family's
+parent file), warmed with one unrelated request, loaded with the same conversations, and stopped before the
+next starts: no contender inherits another's cache, and no two run at once (on 2 cores either would distort
+the other's figures).
+
+Contenders are named `POLICY` (a specquant policy) or `llama:MODE` (llama-server: `plain`, `ngram-mod`: its
+n-gram table shared by every slot, `draft-q4`: the family's q4 file as its draft model)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from specquant_cli.errors import InputError, SpecquantError
+from specquant_cli.settings import settings_table
+
+LLAMA_MODES = {"plain": [], "ngram-mod": ["--spec-type", "ngram-mod"], "draft-q4": ["-md", "{q4}", "-td", "{threads}"]}
+START_TIMEOUT_S = 900.0  # a cold start loads every model of the family (and measures its costs when uncalibrated)
+STOP_TIMEOUT_S = 60.0
+LOG_TAIL_LINES = 20  # a server that dies is named with the last lines it wrote
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One server to start: `name` as given (`auto`, `llama:ngram-mod`), `kind` specquant or llama-server."""
+
+    name: str
+    kind: str
+    what: str  # the policy, or llama-server's mode
+    settings: tuple = ()  # (setting key, value) pairs a specquant server starts with besides the setup's
+
+    @property
+    def is_llama(self) -> bool:
+        return self.kind == "llama-server"
+
+
+def contenders(text: str, policies: Sequence[str], llama_server: Optional[Path]) -> list[Contender]:
+    """`--servers` (comma-separated) as contenders; a one-line error naming the first one that is no policy of
+    `policies` nor `llama:MODE`, and for llama-server contenders without `llama_server`."""
+    out = []
+    for raw in text.split(","):
+        name = raw.strip()
+        if not name:
+            raise InputError(f"--servers {text!r}: an empty name")
+        if name.startswith("llama:"):
+            mode = name.removeprefix("llama:")
+            if mode not in LLAMA_MODES:
+                raise InputError(f"--servers: {name!r}: llama-server modes are {', '.join(LLAMA_MODES)}")
+            if llama_server is None:
+                raise InputError(f"--servers {name}: give llama-server's path with --llama-server")
+            out.append(Contender(name, "llama-server", mode))
+        elif name in policies:
+            out.append(Contender(name, "specquant", name))
+        else:
+            raise InputError(f"--servers: {name!r} is no policy ({', '.join(policies)}) nor llama:MODE")
+    if len({c.name for c in out}) != len(out):
+        raise InputError(f"--servers {text!r}: a server named twice")
+    return out
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How every server is started: the family, slots, context per sequence, threads, and llama-server's path."""
+
+    family: object  # family.manifest.Family
+    parallel: int
+    ctx: int
+    threads: int
+    llama_server: Optional[Path] = None
+    max_tokens: int = 4096
+
+
+@dataclass
+class Server:
+    """A started server: its process, base URL, the temp folder it owns and what it wrote (the last lines)."""
+
+    proc: subprocess.Popen
+    url: str
+    folder: Path
+    lines: list[str] = field(default_factory=list)
+
+    def tail(self) -> str:
+        return " | ".join(line.strip() for line in self.lines[-LOG_TAIL_LINES:] if line.strip())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(c: Contender, setup: Setup, folder: Path, port: int) -> list[str]:
+    """The command line that starts `c`'s server."""
+    fam = setup.family
+    if c.is_llama:
+        extra = [a.replace("{q4}", str(fam.path("q4"))).replace("{threads}", str(setup.threads))
+                 for a in LLAMA_MODES[c.what]]
+        return [str(setup.llama_server), "-m", str(fam.path(fam.parent_rendering)), "--host", "127.0.0.1",
+                "--port", str(port), "-t", str(setup.threads), "-tb", str(setup.threads), "-np", str(setup.parallel),
+                "-c", str(setup.ctx * setup.parallel), "--jinja", *extra]
+    given = {"runtime.family": fam.root, "serving.port": port, "runtime.parallel": setup.parallel,
+             "runtime.ctx": setup.ctx, "runtime.threads": setup.threads, "decoding.policy": c.what,
+             "serving.policies": c.what, "serving.max_tokens": setup.max_tokens, "serving.cache_dir": folder / "cache",
+             **dict(c.settings)}
+    table = settings_table()
+    flags = [a for k, v in given.items() for a in (table[k].flag, str(v))]
+    return [sys.executable, "-m", "specquant_cli", "serve", *flags]
+
+
+def start(c: Contender, setup: Setup, say: Callable[[str], None]) -> Server:
+    """`c`'s server, listening and answering /health; a one-line error (with its last lines) when it exits or
+    does not come up within START_TIMEOUT_S."""
+    folder = Path(tempfile.mkdtemp(prefix="specquant-sides-"))
+    port = free_port()
+    cmd = command(c, setup, folder, port)
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, errors="replace", start_new_session=True)
+    except OSError as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise InputError(f"{c.name}: cannot start {cmd[0]} ({e.strerror or e})") from None
+    server = Server(proc, f"http://127.0.0.1:{port}", folder)
+    threading.Thread(target=_collect, args=(proc, server.lines), daemon=True).start()
+    say(f"{c.name}: starting ({'llama-server ' + c.what if c.is_llama else 'specquant serve --policy ' + c.what})")
+    try:
+        _wait_ready(c, server)
+    except BaseException:
+        stop(server)
+        raise
+    return server
+
+
+def _collect(proc: subprocess.Popen, lines: list[str]) -> None:
+    for line in proc.stderr:
+        lines.append(line)
+        del lines[:-200]
+
+
+def _wait_ready(c: Contender, server: Server) -> None:
+    end = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < end:
+        if server.proc.poll() is not None:
+            raise SpecquantError(f"{c.name}: the server exited with {server.proc.returncode} before answering "
+                                 f"({server.tail() or 'nothing written'})")
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SpecquantError(f"{c.name}: the server did not answer /health within {START_TIMEOUT_S:.0f} s")
+
+
+def stop(server: Server) -> None:
+    """SIGTERM the server's process group, wait for it (SIGKILL after STOP_TIMEOUT_S), remove its folder."""
+    proc = server.proc
+    try:
+        if proc.poll() is None:
+            _signal(proc, signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                _signal(proc, signal.SIGKILL)
+                proc.wait(STOP_TIMEOUT_S)
+    finally:
+        shutil.rmtree(server.folder, ignore_errors=True)
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    import os
+
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def warm(url: str, model: str) -> None:
+    """One short unrelated request, so that a server's first-request costs are not the scenario's."""
+    import json
+
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        r.read()
+
+
+@dataclass
+class Run:
+    """One contender's run: which of the repeats (from 1), its results and summary, and its answers' verdicts."""
+
+    contender: Contender
+    repeat: int
+    results: list
+    summary: dict
+    fidelity: Optional[dict] = None
+
+    @property
+    def label(self) -> str:
+        return self.contender.name + (f" #{self.repeat}" if self.repeat > 1 else "")
+
+
+def run(contenders: Sequence[Contender], setup: Setup, repeat: int,
+        load: Callable[[Contender, str, str], tuple[list, dict]], say: Callable[[str], None]) -> list[Run]:
+    """Every contender started fresh, loaded by `load(contender, url, label)` -> (results, summary) and stopped,
+    `repeat` times in turn (A B A B …): one server at a time, and the VM's drift falls on each alike."""
+    runs = []
+    for k in range(1, repeat + 1):
+        for c in contenders:
+            label = c.name + (f" #{k}" if repeat > 1 else "")
+            server = start(c, setup, say)
+            try:
+                results, summary = load(c, server.url, label + " ")
+            finally:
+                stop(server)
+            runs.append(Run(c, k, results, summary))
+    return runs
+
+
+def _median(xs: list) -> Optional[float]:
+    import statistics
+
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def report(runs: Sequence[Run], contenders: Sequence[Contender], setup: Setup, config: dict, command: str) -> dict:
+    """The side by side as JSON: every run (summary, verdicts, requests) and, per contender, the medians over its
+    runs and its ratio to the first contender's."""
+    rows = []
+    first = None
+    for c in contenders:
+        mine = [r for r in runs if r.contender is c]
+        tps = _median([r.summary["output_tokens_per_s"] for r in mine])
+        first = tps if first is None else first
+        fid = [r.fidelity for r in mine if r.fidelity]
+        rows.append({"server": c.name, "kind": c.kind, "command": command_line(c, setup), "runs": len(mine),
+                     "output_tokens_per_s": tps, "vs_first": round(tps / first, 3) if tps and first else None,
+                     "wall_s": _median([r.summary["wall_s"] for r in mine]),
+                     "ttft_p50_s": _median([r.summary["ttft_s"]["p50"] for r in mine]),
+                     "itl_p50_s": _median([r.summary["itl_s"]["p50"] for r in mine]),
+                     "fidelity": {k: sum(f[k] for f in fid) for k in ("judged", "identical", "near_tie", "unexplained")}
+                     if fid else None,
+                     "plans": _plans(mine)})
+    return {"command": command, "family": str(setup.family.root), "parent": setup.family.parent_rendering,
+            "parallel": setup.parallel, "ctx": setup.ctx, "threads": setup.threads, "config": config,
+            "servers": rows,
+            "runs": [{"server": r.contender.name, "repeat": r.repeat, "summary": r.summary, "fidelity": r.fidelity,
+                      "requests": [x.to_dict() for x in r.results]} for r in runs]}
+
+
+def _plans(runs: Sequence[Run]) -> dict[str, int]:
+    """How often each plan ran (what a specquant server said of its answers)."""
+    from collections import Counter
+
+    return dict(Counter(x.plan for r in runs for x in r.results if x.plan).most_common())
+
+
+def command_line(c: Contender, setup: Setup) -> str:
+    """The command that starts `c`'s server, as a reader would type it (a placeholder folder and port)."""
+    import shlex
+
+    cmd = command(c, setup, Path("DIR"), 0)
+    if not c.is_llama:
+        cmd = ["specquant", *cmd[3:]]
+    return " ".join(shlex.quote(a) for a in cmd)
+
+
+def markdown(rep: dict) -> str:
+    """The side by side as a table: each server's median throughput (and its ratio to the first row's), wall
+    time, latencies, the plans it ran and its answers' verdicts; then every run."""
+    c, rows = rep["config"], rep["servers"]
+    runs = max(r["runs"] for r in rows)
+    lines = [f"# Servers side by side: {c['scenario']}, {c['conversations']} conversations × {c['turns']} turns, "
+             f"--parallel {rep['parallel']}", "", f"- command: `{rep['command']}`",
+             f"- family {rep['family']}, parent {rep['parent']}, {rep['threads']} threads, {c['max_tokens']} max "
+             f"tokens, greedy, {c['concurrency'] or 'no cap on those'} in flight; each server started fresh, one at "
+             "a time" + (f", {runs} times in turn (medians)" if runs > 1 else ""), "",
+             f"| server | output tok/s | vs {rows[0]['server']} | wall s | TTFT p50 ms | inter-token p50 ms | "
+             "identical / near-tie / unexplained | plans |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        f = row["fidelity"]
+        fid = f"{f['identical']} / {f['near_tie']} / {f['unexplained']}" if f else "–"
+        ratio = f"{row['vs_first']:.2f}x" if row["vs_first"] else "–"
+        plans = ", ".join(f"{p} ({n})" for p, n in row["plans"].items()) or "–"
+        lines.append(f"| {row['server']} | {_num(row['output_tokens_per_s'])} | {ratio} | {_num(row['wall_s'])} | "
+                     f"{_ms(row['ttft_p50_s'])} | {_ms(row['itl_p50_s'])} | {fid} | {plans} |")
+    if runs > 1:
+        lines += ["", "| run | server | output tok/s | wall s |", "|---|---|---|---|"]
+        for k, r in enumerate(rep["runs"], 1):
+            lines.append(f"| {k} | {r['server']} | {_num(r['summary']['output_tokens_per_s'])} | "
+                         f"{_num(r['summary']['wall_s'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _num(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x:.3f}" if x < 100 else f"{x:.1f}"
+
+
+def _ms(x: Optional[float]) -> str:
+    return "–" if x is None else f"{1000 * x:.0f}"

@@ -1,0 +1,65 @@
+"""`specquant bench calls`: each role's call-cost curve (bench.calls), a child process per role."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specquant_cli.commands.options import JsonOpt, split_list, with_settings
+from specquant_cli.console import err, out_json
+from specquant_cli.settings import Settings
+
+
+def register(app: typer.Typer) -> None:
+    app.command("calls", help="Each role's call cost: one llama.cpp call on 1, 2, 4, 8, 16 tokens (every row's "
+                              "logits, as a verification asks) and the prefill per prompt token, a child process "
+                              "per role (a weight type the build cannot run is named, not crashed on).")(calls)
+
+
+@with_settings("runtime.family", "runtime.parent", "runtime.threads")
+def calls(
+    roles: Optional[str] = typer.Option(None, "--roles", help="Comma-separated roles (default: the parent, then "
+                                        "every draft of the family)", show_default=False),
+    sizes: str = typer.Option("1,2,4,8,16", "--sizes", help="Comma-separated tokens per call"),
+    reps: int = typer.Option(7, "--reps", min=1, max=101, help="Timings per size (the median is reported)"),
+    position: int = typer.Option(64, "--position", min=1, max=1 << 16, help="Positions of context before the calls"),
+    json_out: bool = JsonOpt,
+    json_file: Optional[Path] = typer.Option(None, "--json-file", help="Write the JSON report to FILE"),
+    md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write the table as markdown to FILE"),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="PNG of ms per call against tokens per call"),
+    *, cfg: Settings,
+) -> None:
+    from specquant_cli.bench import calls as bench_calls
+    from specquant_cli.bench import report
+    from specquant_cli.commands.options import command_line, int_list, load_family
+    from specquant_cli.errors import InputError
+    from specquant_cli.family.roles import PARENT_ROLE
+    from specquant_cli.session import bind_parent
+    from specquant_cli.settings import SessionSettings
+    from specquant_cli.system.hardware import detect
+
+    report.check_outputs({"--json-file": json_file, "--markdown": md_out, "--plot": plot_out})
+    if plot_out:
+        report.check_plot_available()
+    ns = int_list(sizes, "--sizes", 1, 512)
+    facts = detect()
+    fam = bind_parent(load_family(cfg.runtime.family), SessionSettings.of(cfg, facts=facts))
+    names = split_list(roles, "--roles", "role") or fam.roles()
+    for r in names:
+        if r != PARENT_ROLE and r not in fam.roles():
+            raise InputError(f"--roles: {r!r} is no role of {fam.name} ({', '.join(fam.roles())})")
+    names = [fam.parent_rendering if r == PARENT_ROLE else r for r in names]
+    threads = cfg.runtime.threads
+    with err.status("bench calls") as status:
+        curves = bench_calls.run(fam, names, ns, reps, position, threads,
+                                 lambda role: status.update(f"bench calls: {role} ({fam.variant(role)['type']})"))
+    rep = bench_calls.report(fam, curves, ns, reps, position, threads, command_line(), facts.to_dict())
+    err.print(bench_calls.markdown(rep), markup=False)
+    failure = report.write_outputs(rep, json_file, md_out, plot_out, render=bench_calls.markdown,
+                                   draw=bench_calls.plot)
+    if json_out:
+        out_json(rep)
+    if failure:
+        raise failure
