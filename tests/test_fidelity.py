@@ -51,12 +51,22 @@ class SecondChoiceWhenSure(LinearVerifier):
 
 
 class KeepsARejectedDraft(SecondChoiceWhenSure):
-    """Broken on purpose: the first draft token the parent rejects is kept anyway (the cache, one token short,
-    is repaired by the next cycle's prefix sync)."""
+    """Broken on purpose: the first draft token the parent rejects by more than `clear` logits is kept anyway (the
+    cache, one token short, is repaired by the next cycle's prefix sync). A rejection at a near-tie is left
+    alone: where the parent rejects a draft depends on the CPU's kernels (on an AVX2-only AMD EPYC the first
+    rejection of this prompt's q4 drafts came at a lead of 0.014, within the noise), and keeping that one would
+    be a near-tie, not the broken case."""
+
+    def __init__(self, clear: float):
+        super().__init__()
+        self.clear = clear
 
     def verify(self, parent, seq, draft):
         accepted, nxt = LinearVerifier.verify(self, parent, seq, draft)
         if self.broken or accepted == len(draft.tokens):
+            return accepted, nxt
+        row = parent.logits(accepted)
+        if float(row[nxt]) - float(row[draft.tokens[accepted]]) <= self.clear:
             return accepted, nxt
         self.broken = True
         return accepted + 1, greedy_token(parent.logits(accepted + 1))
@@ -148,7 +158,7 @@ def test_second_choice_where_the_parent_is_sure_is_unexplained(parent, draft, pr
 
 
 def test_kept_rejected_draft_is_unexplained(parent, draft, prompt, reference, noise):
-    verifier = KeepsARejectedDraft()
+    verifier = KeepsARejectedDraft(clear=2 * noise.bound)
     broken = answer(parent, draft, prompt, verifier)
     assert verifier.broken and broken != reference
     v = classify(parent, prompt, reference, broken, noise.bound)
