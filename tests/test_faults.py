@@ -23,6 +23,10 @@ from hostile_util import cli, copy_family, snapshot, temps, tiny_llama
 from specquant_cli.family.manifest import Family
 from specquant_cli.fsutil import sha256_file
 
+# Every test here kills, starves or cuts off a real specquant process: seconds each, so all are `slow` (the quick
+# loop, -m "not slow", stays under a minute; the whole suite runs them).
+pytestmark = pytest.mark.slow
+
 SPECQUANT = [sys.executable, "-m", "specquant_cli"]
 TYPES = "q4_0,q8_0,f16"
 HANG_S = 60  # any command still running after this is a hang

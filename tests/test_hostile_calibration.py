@@ -560,6 +560,7 @@ def _quantize_process(base: Path, out: Path, *extra: str) -> subprocess.Complete
                            "--threads", "1", *extra], capture_output=True, timeout=HANG_S)
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_quantize_log_is_bounded_over_runs(tiny, tmp_path):
     """Each run (a process of its own, as from a shell) starts the log afresh: one run's worth, not a sum."""
     base, _ = tiny
@@ -575,6 +576,7 @@ def test_quantize_log_is_bounded_over_runs(tiny, tmp_path):
     assert max(sizes) < 1.5 * min(sizes), sizes  # one run's worth each time, not a growing file
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_a_hard_linked_old_log_is_not_truncated_through_the_link(tiny, tmp_path):
     base, _ = tiny
     out = tmp_path / "fam"

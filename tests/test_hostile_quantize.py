@@ -296,6 +296,7 @@ def test_manifest_symlink_is_replaced_not_written_through(fam, tmp_path, bases):
 
 
 # -- planted symlinks at temp names, stale temp files ----------------------------------------------------
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_planted_temp_name_symlinks_are_never_followed(fam, tmp_path, bases):
     """The old temp names were predictable (.NAME.PID.part); links planted there must not be written."""
     victim = tmp_path / "victim.txt"
@@ -351,6 +352,7 @@ def test_failed_second_build_leaves_the_old_family(fam, bases, monkeypatch):
         {k: v for k, v in before.items() if k != "quantize.log"}
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_interrupt_at_commit_leaves_old_family_and_no_temps(fam, bases, monkeypatch):
     from specquant_cli.family import manifest
 
@@ -401,6 +403,7 @@ def fake_registry(bases, tmp_path_factory, monkeypatch):
     return spec
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_pull_builds_checks_and_rebuilds_a_damaged_family(fake_registry, tmp_path):
     r = cli(["pull", "tiny", "--models-dir", tmp_path, "--threads", "1"])
     assert r.exit_code == 0 and "built" in r.stderr, r.stderr
@@ -416,6 +419,7 @@ def test_pull_builds_checks_and_rebuilds_a_damaged_family(fake_registry, tmp_pat
     assert_family_ok(fam)
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_interrupted_pull_leaves_the_old_family(fake_registry, tmp_path, monkeypatch):
     from specquant_cli.family import manifest
 

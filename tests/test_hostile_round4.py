@@ -254,6 +254,7 @@ def test_a_child_killed_from_outside_condemns_nothing(family_dir, tmp_path, sig)
     assert not (tmp_path / "cache" / "specquant" / "selftest.json").exists()  # nothing cached
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 @pytest.mark.parametrize("sig", ["SIGILL", "SIGBUS", "SIGFPE"])
 def test_a_fault_condemns_the_build_and_names_the_retest(tmp_path, sig):
     p = _selftest_cli(["doctor", "--selftest"], f"q8_0:{sig}", tmp_path)

@@ -258,6 +258,7 @@ def _tiny_untied(path, dim=256, ff=512, layers=2, vocab=512):
     return {f"blk.{i}.{n}.weight": w for i in range(layers) for n, w in widths.items()} | {"output.weight": dim}
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_graded_variant_of_an_untied_model_matches_its_plan(tmp_path):
     from specquant_cli.family.imatrix import IMATRIX_FILE, ActivationStats
     from specquant_cli.family.recipes import add_variants, split_types

@@ -7,6 +7,7 @@ screens without saying why in its docstring."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "specquant_cli"
@@ -18,6 +19,7 @@ def _module_of(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     """module -> the package's modules it imports anywhere in its file (functions and `if TYPE_CHECKING:` blocks
     included: a reader sees an arrow either way), by file: `from a.b import c` reaches a.b.c when that is a module,

@@ -195,7 +195,7 @@ class FakeServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
 
     def close(self):
         self.httpd.shutdown()
@@ -336,6 +336,7 @@ def test_a_refused_key_is_one_line(fake):
     assert r.stderr.strip() == (f"error: GET {srv.url}/v1/models: HTTP 401: Invalid API key (give --api-key)")
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_ctrl_c_stops_the_run_cleanly(fake):
     srv = fake(delay=0.2, pieces=500)  # answers that would take 100 s each
     proc = subprocess.Popen([sys.executable, "-m", "specquant_cli", "bench", "load", "--url", srv.url,

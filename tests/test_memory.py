@@ -111,6 +111,7 @@ def test_the_memory_is_safe_under_concurrent_requests():
     assert mem.use()["tokens"] <= 3000
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_the_ram_estimate_per_token_is_an_upper_bound():
     rng = random.Random(1)
     tracemalloc.start()

@@ -145,16 +145,19 @@ def test_worker_down_at_start_is_one_line(family_dir):
     assert r.stderr.count("\n") == 1 and f"127.0.0.1:{port}" in r.stderr and "not reachable" in r.stderr
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_bad_endpoint_is_a_usage_error():
     r = cli("chat", "--rpc", "nohostport", "hi", timeout=60)
     assert r.returncode == 2 and "HOST:PORT" in r.stderr
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_non_loopback_host_needs_allow_remote():
     r = cli("worker", "--host", "0.0.0.0", "--port", str(free_port()), timeout=60)
     assert r.returncode == 1 and "--allow-remote" in r.stderr and "authentication" in r.stderr
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
 def test_worker_stops_on_signal(sig, code):
     w = Worker()

@@ -38,11 +38,13 @@ def sampled_first_tokens(verify, n=20000, seed=0):
     return counts, p
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_coupled_sampling_matches_parent_distribution():
     counts, p = sampled_first_tokens(coupled_verify)
     assert chi2_stat(counts, p) < 18.47  # chi-square, 4 dof, p = 0.001
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_fidelity_test_catches_a_wrong_rule():
     def keep_every_draft(p_rows, draft, u):  # a broken verifier: whatever the draft says
         p = p_rows(len(draft))
@@ -79,6 +81,7 @@ def test_a_seeded_answer_is_the_same_whatever_drafts():
     assert len(outs) == 1
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_engine_sampling_two_tokens_follow_the_parent():
     """Joint distribution of two generated tokens through the whole engine, against the exact parent."""
     pl = {0: np.log([0.1, 0.5, 0.1, 0.2, 0.1]), 1: np.log([0.3, 0.1, 0.2, 0.2, 0.2])}

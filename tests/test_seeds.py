@@ -20,6 +20,7 @@ def _inverse_cdf(p, u):  # the rule seeds were sampled with before: a walk over 
     return int(min(np.searchsorted(c, u * c[-1], side="right"), len(p) - 1))
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_a_sample_holds_when_the_logits_move_by_batch_noise():
     """32k candidates at temperature 0.8; the logits moved by the noise of another batch shape: the sampled token
     stays in at least 99 % of seeds (the inverse-CDF walk kept it in about 92 %: every boundary moves)."""

@@ -36,6 +36,7 @@ def test_every_type_decodes_in_this_build(selftest_cache):
     assert r.types == {t: "ok" for t in selftest.TYPES}
 
 
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_sigill_in_the_child_is_one_line_and_exit_1(tmp_path):
     p = _cli(["doctor", "--selftest"], {selftest.FAULT_ENV: "q4_0:SIGILL"}, tmp_path)
     assert p.returncode == 1, (p.returncode, p.stderr)

@@ -5,6 +5,7 @@ and no module below the command edge reading the environment."""
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 from pathlib import Path
@@ -19,7 +20,9 @@ from conftest import REPO, run_cli
 PACKAGE = REPO / "specquant_cli"
 
 
+@functools.cache
 def _sources() -> dict[Path, ast.AST]:
+    """Every module of the package, parsed (once for the whole module's tests)."""
     return {p: ast.parse(p.read_text(encoding="utf-8")) for p in PACKAGE.rglob("*.py")}
 
 
