@@ -38,6 +38,16 @@ def install() -> None:
         signal.signal(signal.SIGTERM, _on_term)
 
 
+def redeliver(exc: KeyboardInterrupt) -> None:
+    """For a Python function that C calls back (llama.cpp's log): Ctrl-C or SIGTERM raised while it runs would be
+    swallowed by ctypes ("Exception ignored on calling ctypes callback function") and the interrupt lost, so the
+    callback catches it and hands it here. The same signal is raised again from a helper thread; its handler runs
+    in the main thread at its next Python line, after the callback has returned (or, should that be the callback
+    again, it is caught and raised again)."""
+    signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+    threading.Thread(target=signal.raise_signal, args=(signum,), name="specquant-redeliver", daemon=True).start()
+
+
 STALL_GRACE_S = 1.5
 _watch: dict = {}
 

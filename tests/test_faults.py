@@ -268,3 +268,34 @@ def test_deferred_holds_a_signal_that_lands_on_another_thread():
     finally:
         signal.signal(signal.SIGTERM, old)
         interrupts._terminated = False
+
+
+LOG_CALLBACK_CHILD = """
+import signal, sys, time
+from specquant_cli import interrupts
+from specquant_cli.backend import llama
+interrupts.install()
+llama.init_backend()
+
+class Interrupted:  # a signal handler that ran while llama.cpp's log line was being written
+    def write(self, text):
+        raise (interrupts.Terminated if sys.argv[1] == "SIGTERM" else KeyboardInterrupt)()
+    def flush(self):
+        pass
+
+llama._log_file = Interrupted()
+llama._log_cb(2, b"a log line\\n", None)  # through C, as llama.cpp calls it
+time.sleep(5)
+print("the interrupt was lost")
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_inside_the_log_callback_is_not_lost(sig):
+    """Ctrl-C or SIGTERM landing while llama.cpp's log callback runs (it runs Python code, so the handler may) is
+    raised inside a function C called back, where ctypes prints it and drops it: measured, a `chat --each-line`
+    interrupted while its model loaded went on to answer every line and exit 0. The callback hands it on, and
+    the process stops as it would anywhere else."""
+    p = subprocess.run([sys.executable, "-c", LOG_CALLBACK_CHILD, sig], capture_output=True, timeout=HANG_S)
+    assert b"the interrupt was lost" not in p.stdout
+    assert p.returncode != 0 and b"Exception ignored" not in p.stderr, p.stderr.decode()[-2000:]

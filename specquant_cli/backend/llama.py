@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from specquant_cli import interrupts
 from specquant_cli.errors import InputError, LlamaError, VocabMismatchError, check_cancelled
 from specquant_cli.names import LogitsMode
 
@@ -43,25 +44,34 @@ def init_backend() -> None:
 
     @llama_cpp.llama_log_callback
     def cb(level, text, user_data):  # noqa: ARG001
-        global _log_file
-        f = _log_file
-        if f is not None:
-            try:
-                f.write(text.decode("utf-8", "replace"))
-                f.flush()
-            except BlockingIOError:  # a pipe nobody drains: this line is dropped, the process goes on
-                pass
-            except ValueError:  # file closed
-                pass
-            except OSError as e:  # a full disk, a reader gone: one warning, and the log stops
-                _log_file = None
-                _status(f"warning: llama.cpp's log stopped: cannot write to {getattr(f, 'shown', 'it')} "
-                        f"({e.strerror or e})")
+        try:
+            _write_log(text)
+        except KeyboardInterrupt as e:  # ctypes would swallow it: raised again once this callback returns
+            interrupts.redeliver(e)
 
     _log_cb = cb
     llama_cpp.llama_log_set(_log_cb, ctypes.c_void_p(0))
     llama_cpp.llama_backend_init()
     _backend_ready = True
+
+
+def _write_log(text: bytes) -> None:
+    """One line of llama.cpp's log to the file set by llama_log_to (dropped when none)."""
+    global _log_file
+    f = _log_file
+    if f is None:
+        return
+    try:
+        f.write(text.decode("utf-8", "replace"))
+        f.flush()
+    except BlockingIOError:  # a pipe nobody drains: this line is dropped, the process goes on
+        pass
+    except ValueError:  # file closed
+        pass
+    except OSError as e:  # a full disk, a reader gone: one warning, and the log stops
+        _log_file = None
+        _status(f"warning: llama.cpp's log stopped: cannot write to {getattr(f, 'shown', 'it')} "
+                f"({e.strerror or e})")
 
 
 @contextlib.contextmanager
