@@ -26,26 +26,67 @@ def terminated() -> bool:
     return _terminated
 
 
+_c_callbacks: set = set()  # the code of Python functions that C calls back (c_callback)
+
+
+def c_callback(fn):
+    """Mark `fn` as a function C calls back (llama.cpp's log): an exception raised inside it is swallowed by
+    ctypes, so a Ctrl-C or SIGTERM whose handler runs while it, or anything it calls, runs is raised again once
+    it has returned (redeliver) rather than inside it."""
+    _c_callbacks.add(fn.__code__)
+    return fn
+
+
+def _inside_c_callback(frame) -> bool:
+    while frame is not None:
+        if frame.f_code in _c_callbacks:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_int(signum, frame) -> None:
+    if _inside_c_callback(frame):
+        redeliver(KeyboardInterrupt())
+        return
+    raise KeyboardInterrupt()
+
+
 def _on_term(signum, frame) -> None:  # noqa: ARG001
     global _terminated
     _terminated = True
+    if _inside_c_callback(frame):
+        redeliver(Terminated())
+        return
     raise Terminated()
 
 
 def install() -> None:
-    """Make SIGTERM behave like Ctrl-C. Only the main thread may install handlers."""
+    """Make SIGTERM behave like Ctrl-C, and neither raise inside a function C calls back. Only the main thread
+    may install handlers; a SIGINT handler other than Python's own is left alone."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_term)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_int)
 
 
 def redeliver(exc: KeyboardInterrupt) -> None:
     """For a Python function that C calls back (llama.cpp's log): Ctrl-C or SIGTERM raised while it runs would be
     swallowed by ctypes ("Exception ignored on calling ctypes callback function") and the interrupt lost, so the
-    callback catches it and hands it here. The same signal is raised again from a helper thread; its handler runs
-    in the main thread at its next Python line, after the callback has returned (or, should that be the callback
-    again, it is caught and raised again)."""
+    callback catches it and hands it here. The same signal is raised again from a helper thread, REDELIVER_S later,
+    once the callback has returned (raised at once, it could land on the callback's last lines, outside its
+    `try`, and be swallowed again); its handler then runs in the main thread at its next Python line (should that
+    be inside the callback again, it is caught there and raised again)."""
     signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
-    threading.Thread(target=signal.raise_signal, args=(signum,), name="specquant-redeliver", daemon=True).start()
+
+    def later() -> None:
+        time.sleep(REDELIVER_S)
+        signal.raise_signal(signum)
+
+    threading.Thread(target=later, name="specquant-redeliver", daemon=True).start()
+
+
+REDELIVER_S = 0.05
 
 
 STALL_GRACE_S = 1.5

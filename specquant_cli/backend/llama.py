@@ -43,10 +43,11 @@ def init_backend() -> None:
     import llama_cpp
 
     @llama_cpp.llama_log_callback
+    @interrupts.c_callback  # Ctrl-C here is raised once the callback returns (ctypes would swallow it)
     def cb(level, text, user_data):  # noqa: ARG001
         try:
             _write_log(text)
-        except KeyboardInterrupt as e:  # ctypes would swallow it: raised again once this callback returns
+        except KeyboardInterrupt as e:  # a handler installed by someone else raised here: the same, by hand
             interrupts.redeliver(e)
 
     _log_cb = cb
