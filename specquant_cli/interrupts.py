@@ -71,12 +71,9 @@ def install() -> None:
 
 
 def redeliver(exc: KeyboardInterrupt) -> None:
-    """For a Python function that C calls back (llama.cpp's log): Ctrl-C or SIGTERM raised while it runs would be
-    swallowed by ctypes ("Exception ignored on calling ctypes callback function") and the interrupt lost, so the
-    callback catches it and hands it here. The same signal is raised again from a helper thread, REDELIVER_S later,
-    once the callback has returned (raised at once, it could land on the callback's last lines, outside its
-    `try`, and be swallowed again); its handler then runs in the main thread at its next Python line (should that
-    be inside the callback again, it is caught there and raised again)."""
+    """Raise Ctrl-C (or SIGTERM, for Terminated) again, REDELIVER_S from now, from a helper thread: its handler
+    then runs in the main thread at its next Python line, once the function C called back has returned (should
+    that be inside such a function again, the handler hands it here again)."""
     signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
 
     def later() -> None:

@@ -45,34 +45,25 @@ def init_backend() -> None:
     @llama_cpp.llama_log_callback
     @interrupts.c_callback  # Ctrl-C here is raised once the callback returns (ctypes would swallow it)
     def cb(level, text, user_data):  # noqa: ARG001
-        try:
-            _write_log(text)
-        except KeyboardInterrupt as e:  # a handler installed by someone else raised here: the same, by hand
-            interrupts.redeliver(e)
+        global _log_file
+        f = _log_file
+        if f is not None:
+            try:
+                f.write(text.decode("utf-8", "replace"))
+                f.flush()
+            except BlockingIOError:  # a pipe nobody drains: this line is dropped, the process goes on
+                pass
+            except ValueError:  # file closed
+                pass
+            except OSError as e:  # a full disk, a reader gone: one warning, and the log stops
+                _log_file = None
+                _status(f"warning: llama.cpp's log stopped: cannot write to {getattr(f, 'shown', 'it')} "
+                        f"({e.strerror or e})")
 
     _log_cb = cb
     llama_cpp.llama_log_set(_log_cb, ctypes.c_void_p(0))
     llama_cpp.llama_backend_init()
     _backend_ready = True
-
-
-def _write_log(text: bytes) -> None:
-    """One line of llama.cpp's log to the file set by llama_log_to (dropped when none)."""
-    global _log_file
-    f = _log_file
-    if f is None:
-        return
-    try:
-        f.write(text.decode("utf-8", "replace"))
-        f.flush()
-    except BlockingIOError:  # a pipe nobody drains: this line is dropped, the process goes on
-        pass
-    except ValueError:  # file closed
-        pass
-    except OSError as e:  # a full disk, a reader gone: one warning, and the log stops
-        _log_file = None
-        _status(f"warning: llama.cpp's log stopped: cannot write to {getattr(f, 'shown', 'it')} "
-                f"({e.strerror or e})")
 
 
 @contextlib.contextmanager

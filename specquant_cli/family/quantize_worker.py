@@ -14,8 +14,6 @@ import sys
 import threading
 import time
 
-from specquant_cli import interrupts
-
 
 def _exit_when_orphaned(parent: int) -> None:
     while True:
@@ -36,8 +34,6 @@ def start_worker(parent: str):
             os.write(2, text)
         except OSError:
             pass
-        except KeyboardInterrupt as e:  # ctypes would swallow it: raised again once this callback returns
-            interrupts.redeliver(e)
 
     llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
     return llama_cpp, log
