@@ -141,6 +141,19 @@ def own_samples(model, content: str, seed: int, n: int, temperature: float = 0.9
     return pieces, margins
 
 
+def clear_seeds(model, content: str, n: int, count: int = 2, candidates=range(1, 61)) -> dict:
+    """The first `count` seeds whose own samples (own_samples) lead their next candidate by at least twice
+    SAMPLED_NOISE at every token: no batch shape may flip any of them, so each must give its answer exactly."""
+    found = {}
+    for seed in candidates:
+        samples = own_samples(model, content, seed, n)
+        if min(samples[1]) >= 2 * SAMPLED_NOISE:
+            found[seed] = samples
+            if len(found) == count:
+                return found
+    raise AssertionError(f"only {len(found)} of {len(candidates)} seeds sample {content!r} clear of the noise")
+
+
 def sampled_verdict(text: str, samples) -> str:
     """identical: the parent's own samples (own_samples); near-tie: they part where the parent's sample led the next
     candidate by less than SAMPLED_NOISE (another batch shape's logits may put the other one ahead); else

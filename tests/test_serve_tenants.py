@@ -13,7 +13,7 @@ import openai
 import pytest
 from test_serve import ServerProc
 
-from conftest import own_samples, sampled_verdict
+from conftest import clear_seeds, sampled_verdict
 
 ALICE, BOB = "alice-key-0123456789", "bob-key-9876543210"
 SYSTEM = ("You are the payroll assistant of Harbour Works. Confidential: the chief engineer's salary is {salary} "
@@ -119,33 +119,34 @@ STORY = "Tell me a short story about a lighthouse."
 
 @pytest.fixture(scope="module")
 def story_samples(models):
-    """The parent's own seeded samples of STORY for seeds 42 and 7, one token a call, with their margins."""
-    return {seed: own_samples(models["f16"], STORY, seed, 24) for seed in (42, 7)}
+    """Two seeds whose parent samples of STORY (one token a call) lie clear of the batch-shape noise at every token,
+    with those samples: whatever shares the batch, each such seed has exactly one answer."""
+    return clear_seeds(models["f16"], STORY, 24)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["parent", "suffix", "spec-q4"])
 def test_a_seed_gives_its_answer_again_beside_other_requests(server, policy, story_samples):
     """The same seeded requests alone, then four at once beside another tenant's (two slots: other batch shapes):
-    each is the parent's own sampled answer for its seed, or parts from it only at a measured near-tie."""
+    each is the parent's own sampled answer for its seed, token for token. (Seeds with a near-tie, where another
+    batch shape may flip a sample, are the other sampled tests' concern: here the seeds are clear of it, so a
+    changed answer is a seed that did not hold.)"""
     def ask(key: str, seed: int, content: str = STORY):
         r = client(server, key).chat.completions.create(
             model="m", messages=[{"role": "user", "content": content}], max_tokens=24, temperature=0.9, seed=seed,
             extra_body={"specquant_policy": policy})
         return r.choices[0].message.content
 
-    alone = {seed: ask(ALICE, seed) for seed in (42, 7)}
+    s1, s2 = story_samples
+    alone = {seed: ask(ALICE, seed) for seed in (s1, s2)}
     with ThreadPoolExecutor(6) as pool:
-        mine = [pool.submit(ask, ALICE, s) for s in (42, 7, 42, 7)]
+        mine = [pool.submit(ask, ALICE, s) for s in (s1, s2, s1, s2)]
         theirs = [pool.submit(ask, BOB, s, "Describe a harbour at night.") for s in (1, 2)]
         busy = [f.result() for f in mine]
         [f.result() for f in theirs]
-    seeds = (42, 7, 42, 7)
-    pairs = [*zip(busy, seeds), (alone[42], 42), (alone[7], 7)]
+    pairs = [*zip(busy, (s1, s2, s1, s2)), (alone[s1], s1), (alone[s2], s2)]
     verdicts = [sampled_verdict(text, story_samples[seed]) for text, seed in pairs]
-    assert "unexplained" not in verdicts, (verdicts, busy, alone)
-    same = sum(text == alone[seed] for text, seed in zip(busy, seeds))
-    assert same >= 3, (busy, alone)  # a near-tie is rare: nearly every seed gives its answer again
+    assert set(verdicts) == {"identical"}, (verdicts, busy, alone)
 
 
 @pytest.mark.slow
