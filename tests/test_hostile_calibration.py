@@ -2,11 +2,11 @@
 unparsable importance matrices, bad role names and a quantize.log that grew without bound.
 
 The demo family is hard-linked into each test's folder (its GGUFs are only ever read or replaced by
-rename, never written in place) with its own copy of the manifest. One real `calibrate` runs for the
-module (over a garbage calibration.json: the reason on stderr, exit 0, a valid entry after); a second
-real one runs on a read-only family and lands in the XDG cache. The bad-entry cases run the real CLI
-with `system.measure.measure` (the minute-long timing loop) replaced by one returning that real
-measurement: the load, the check, the reason line, the models' loading and the save are all real.
+rename, never written in place) with its own copy of the manifest. The real measurement is the demo family's
+own (the real `calibrate`, once per machine). The garbage-file, bad-entry and read-only cases run the real CLI
+with `system.measure.measure` and `compare_renderings` (the timing loops) replaced by ones returning that real
+measurement: the load, the check, the reason line, the models' loading and the save (to the XDG cache for a
+read-only family) are all real.
 
 Read-only folders are read-only bind mounts (`mount --bind` + `remount,ro`): the tests run as root, who
 ignores permission bits, while a read-only mount refuses everyone (EROFS). Skipped where mounting is not
@@ -101,11 +101,24 @@ LOGS = ("quantize.log", ".specquant.lock")
 
 @pytest.fixture(scope="module")
 def measured(family_dir, tmp_path_factory):
-    """One real measurement, over a garbage calibration.json: (family, this machine's key, its entry)."""
+    """One real measurement (the demo family's, by the real `calibrate`), then calibrate over a garbage
+    calibration.json measuring it again (as the stub below): (family, this machine's key, its entry)."""
+    r = cli(["calibrate", "--family", family_dir, "--json"])
+    assert r.exit_code == 0, r.stderr
+    real = json.loads(r.stdout)
     fam = link_family(family_dir, tmp_path_factory.mktemp("measured") / "fam")
     (fam / cal.CALIBRATION_FILE).write_text('{"half an object": ')
-    r = cli(["calibrate", "--family", fam, "--json"])
-    assert r.exit_code == 0, r.stderr
+    calls = []
+
+    def measure(ctx_for, parent, drafts, progress=None):
+        calls.append(parent)
+        return Calibration.from_dict(real)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(measuring, "measure", measure)
+        mp.setattr(measuring, "compare_renderings", lambda ctx_for, renderings, tick=None: real.get("renderings", {}))
+        r = cli(["calibrate", "--family", fam, "--json"])
+    assert r.exit_code == 0 and len(calls) == 1, r.stderr
     no_traceback(r)
     lines = reason_lines(r.stderr)
     assert len(lines) == 1 and "is not valid JSON" in lines[0] and lines[0].endswith("measuring again"), r.stderr
@@ -123,14 +136,19 @@ def fam(family_dir, tmp_path):
 
 @pytest.fixture
 def stub_measure(measured, monkeypatch):
-    """measure() returns the module's real measurement instantly; counts its calls."""
+    """measure() returns the module's real measurement instantly, and compare_renderings() its renderings; counts
+    measure()'s calls."""
     calls = []
 
     def measure(ctx_for, parent, drafts, progress=None):
         calls.append((parent, tuple(drafts)))
         return Calibration.from_dict(json.loads(json.dumps(measured[2])))
 
+    def compare_renderings(ctx_for, renderings, tick=None):
+        return json.loads(json.dumps(measured[2].get("renderings") or {}))
+
     monkeypatch.setattr(measuring, "measure", measure)
+    monkeypatch.setattr(measuring, "compare_renderings", compare_renderings)
     return calls
 
 
@@ -330,11 +348,11 @@ def test_chat_says_why_it_measures_again(measured, fam):
 
 
 # -- 2. a read-only family: the calibration lives in the user cache ------------------------------------------
-def test_read_only_family_keeps_its_calibration_in_the_user_cache(family_dir, tmp_path, monkeypatch, xdg):
+def test_read_only_family_keeps_its_calibration_in_the_user_cache(family_dir, tmp_path, xdg, stub_measure):
     fam = link_family(family_dir, tmp_path / "fam")
     before = snapshot(fam)
     with read_only(fam):
-        r = cli(["calibrate", "--family", fam, "--json"])  # a real measurement
+        r = cli(["calibrate", "--family", fam, "--json"])  # measured (the module's real measurement), then saved
         assert r.exit_code == 0, r.stderr
         no_traceback(r)
         cached = cal.cache_file(fam)
@@ -347,12 +365,12 @@ def test_read_only_family_keeps_its_calibration_in_the_user_cache(family_dir, tm
         assert cal.entry_problem(entry) is None and json.loads(r.stdout)["parent_call_s"] == entry["parent_call_s"]
         assert snapshot(fam) == before  # nothing written in the family
         # read back from the cache: no second measurement, by calibrate or by route
-        monkeypatch.setattr(measuring, "measure", lambda *a, **k: pytest.fail("measured again"))
         r = cli(["calibrate", "--family", fam, "--json"])
         assert r.exit_code == 0 and json.loads(r.stdout)["parent_call_s"] == entry["parent_call_s"], r.stderr
         assert reason_lines(r.stderr) == []
         r = cli(["route", "--family", fam, "--json", "--policy", "auto", "hello"])
         assert r.exit_code == 0 and json.loads(r.stdout)["calibrated"] is True, r.stderr
+        assert len(stub_measure) == 1
     # keyed by the family's real path and its base: another family gets another file
     other = link_family(family_dir, tmp_path / "other")
     assert cal.cache_file(other) != cached
