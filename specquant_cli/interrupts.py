@@ -47,16 +47,16 @@ def _inside_c_callback(frame) -> bool:
 
 def _on_int(signum, frame) -> None:
     if _inside_c_callback(frame):
-        redeliver(KeyboardInterrupt())
+        redeliver(signum)
         return
     raise KeyboardInterrupt()
 
 
-def _on_term(signum, frame) -> None:  # noqa: ARG001
+def _on_term(signum, frame) -> None:
     global _terminated
     _terminated = True
     if _inside_c_callback(frame):
-        redeliver(Terminated())
+        redeliver(signum)
         return
     raise Terminated()
 
@@ -70,12 +70,10 @@ def install() -> None:
             signal.signal(signal.SIGINT, _on_int)
 
 
-def redeliver(exc: KeyboardInterrupt) -> None:
-    """Raise Ctrl-C (or SIGTERM, for Terminated) again, REDELIVER_S from now, from a helper thread: its handler
-    then runs in the main thread at its next Python line, once the function C called back has returned (should
-    that be inside such a function again, the handler hands it here again)."""
-    signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
-
+def redeliver(signum: int) -> None:
+    """Raise the signal again, REDELIVER_S from now, from a helper thread: its handler then runs in the main
+    thread at its next Python line, once the function C called back has returned (should that be inside such a
+    function again, the handler hands it here again)."""
     def later() -> None:
         time.sleep(REDELIVER_S)
         signal.raise_signal(signum)

@@ -99,24 +99,32 @@ def without(snap: dict, *names: str) -> dict:
 LOGS = ("quantize.log", ".specquant.lock")
 
 
+def stub_timings(mp, entry: dict) -> list:
+    """measure() returns `entry` (a real measurement) instantly, and compare_renderings() its renderings; the list
+    counts measure()'s calls."""
+    calls = []
+
+    def measure(ctx_for, parent, drafts, progress=None):
+        calls.append((parent, tuple(drafts)))
+        return Calibration.from_dict(json.loads(json.dumps(entry)))
+
+    mp.setattr(measuring, "measure", measure)
+    mp.setattr(measuring, "compare_renderings", lambda ctx_for, renderings, tick=None: json.loads(
+        json.dumps(entry.get("renderings") or {})))
+    return calls
+
+
 @pytest.fixture(scope="module")
 def measured(family_dir, tmp_path_factory):
     """One real measurement (the demo family's, by the real `calibrate`), then calibrate over a garbage
-    calibration.json measuring it again (as the stub below): (family, this machine's key, its entry)."""
+    calibration.json measuring it again (stub_timings): (family, this machine's key, its entry)."""
     r = cli(["calibrate", "--family", family_dir, "--json"])
     assert r.exit_code == 0, r.stderr
     real = json.loads(r.stdout)
     fam = link_family(family_dir, tmp_path_factory.mktemp("measured") / "fam")
     (fam / cal.CALIBRATION_FILE).write_text('{"half an object": ')
-    calls = []
-
-    def measure(ctx_for, parent, drafts, progress=None):
-        calls.append(parent)
-        return Calibration.from_dict(real)
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(measuring, "measure", measure)
-        mp.setattr(measuring, "compare_renderings", lambda ctx_for, renderings, tick=None: real.get("renderings", {}))
+        calls = stub_timings(mp, real)
         r = cli(["calibrate", "--family", fam, "--json"])
     assert r.exit_code == 0 and len(calls) == 1, r.stderr
     no_traceback(r)
@@ -136,20 +144,8 @@ def fam(family_dir, tmp_path):
 
 @pytest.fixture
 def stub_measure(measured, monkeypatch):
-    """measure() returns the module's real measurement instantly, and compare_renderings() its renderings; counts
-    measure()'s calls."""
-    calls = []
-
-    def measure(ctx_for, parent, drafts, progress=None):
-        calls.append((parent, tuple(drafts)))
-        return Calibration.from_dict(json.loads(json.dumps(measured[2])))
-
-    def compare_renderings(ctx_for, renderings, tick=None):
-        return json.loads(json.dumps(measured[2].get("renderings") or {}))
-
-    monkeypatch.setattr(measuring, "measure", measure)
-    monkeypatch.setattr(measuring, "compare_renderings", compare_renderings)
-    return calls
+    """The timing loops stubbed with the module's real measurement (stub_timings)."""
+    return stub_timings(monkeypatch, measured[2])
 
 
 def _valid_after(root: Path, key: str) -> Calibration:
