@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -65,4 +66,62 @@ def cli(args, input=None, env=None):
 
 def copy_family(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def link_family(src: Path, dst: Path) -> Path:
+    """The demo family's GGUFs hard-linked (read-only use, replaced only by rename), its manifest copied."""
+    dst.mkdir(parents=True)
+    m = json.loads((src / "manifest.json").read_text())
+    for v in m["variants"].values():
+        try:
+            os.link(src / v["path"], dst / v["path"])
+        except OSError:
+            shutil.copyfile(src / v["path"], dst / v["path"])
+    shutil.copyfile(src / "manifest.json", dst / "manifest.json")
+    return dst
+
+
+def rewrite_gguf(src: Path, dst: Path, keep_layers: int | None = None, extra_layers: int = 0,
+                 tokens: dict[int, str] | None = None, drop_tokens: int = 0) -> Path:
+    """A real GGUF made from `src` by the gguf writer: only its first `keep_layers` blocks (a smaller network of the
+    same vocabulary: a sibling), or its last block repeated `extra_layers` more times (a bigger one), or token texts
+    replaced (`tokens`: id -> text) or the last `drop_tokens` tokens dropped from the vocabulary (another vocabulary).
+    Tensor data is copied as it is stored (any type)."""
+    import gguf
+
+    r = gguf.GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    n_layer = int(r.fields[f"{arch}.block_count"].contents())
+    keep = n_layer if keep_layers is None else keep_layers
+    w = gguf.GGUFWriter(os.fspath(dst), arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        value = f.contents()
+        if f.name == f"{arch}.block_count":
+            value = keep + extra_layers
+        elif f.name == "tokenizer.ggml.tokens":
+            value = [tokens.get(i, t) for i, t in enumerate(value)] if tokens else value
+            value = value[:len(value) - drop_tokens]
+        elif f.name in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores") and drop_tokens:
+            value = value[:len(value) - drop_tokens]
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, value, f.types[0], sub_type=sub)
+    plan = []
+    for t in r.tensors:
+        layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else None
+        if layer is not None and layer >= keep:
+            continue
+        plan.append((t.name, t))
+        if layer == n_layer - 1:
+            plan += [(t.name.replace(f"blk.{layer}.", f"blk.{n_layer + i}.", 1), t) for i in range(extra_layers)]
+    for name, t in plan:
+        w.add_tensor_info(name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, t in plan:
+        w.write_tensor_data(t.data)
+    w.close()
     return dst

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hostile_util import assert_clean_error, cli, snapshot, temps, tiny_llama
+from hostile_util import assert_clean_error, cli, link_family, snapshot, temps, tiny_llama
 
 from specquant_cli.system import calibration_file as cal
 from specquant_cli.system import measure as measuring
@@ -39,19 +39,6 @@ HANG_S = 120
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
-def link_family(src: Path, dst: Path) -> Path:
-    """The demo family's GGUFs hard-linked (read-only use, replaced only by rename), its manifest copied."""
-    dst.mkdir(parents=True)
-    m = json.loads((src / "manifest.json").read_text())
-    for v in m["variants"].values():
-        try:
-            os.link(src / v["path"], dst / v["path"])
-        except OSError:
-            shutil.copyfile(src / v["path"], dst / v["path"])
-    shutil.copyfile(src / "manifest.json", dst / "manifest.json")
-    return dst
-
-
 @contextlib.contextmanager
 def read_only(folder: Path):
     """`folder` as a read-only bind mount for the block (EROFS for root too)."""

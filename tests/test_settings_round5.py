@@ -40,6 +40,9 @@ class FakeFamily:
     def roles(self) -> list[str]:
         return ["parent", "q4", "q8"]
 
+    def hparams_of(self, role: str) -> dict:
+        return self.hparams
+
     def size(self, role: str) -> int:
         return self._size
 

@@ -63,6 +63,10 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
                            "draft": round(sum(r.draft_s for r in rs) / busy, 3),
                            "verify": round(sum(r.verify_s for r in rs) / busy, 3)},
             "new_tokens": new,
+            # what drafting cost per generated token: the draft models' calls and their own catch-up on the prompt
+            # (a sibling's prefill, a KV import), in ms
+            "draft_ms_per_token": round(1000 * sum(r.draft_s + r.draft_prefill_s for r in rs) / new, 2)
+            if new and drafted else None,
             "levels": _levels(rs, drafted, accepted),
             "guard_stops": sum(r.guard_stop is not None for r in rs),
         })
@@ -85,7 +89,10 @@ def _levels(rs: Sequence, drafted: int, accepted: int) -> Optional[dict]:
             "draft_model_calls": int(tot["model_calls"]),
             "draft_tokens_per_model_call": round(drafted / tot["model_calls"], 3) if drafted else None,
             "verify_s": round(sum(r.verify_s for r in rs), 3), "draft_model_s": round(tot["model_s"], 3),
-            "level2_lookup_s": round(tot["lookup_s"], 3)}
+            "level2_lookup_s": round(tot["lookup_s"], 3),
+            # a chain's lowest level is a sibling model: its calls and seconds (within level2_lookup_s)
+            "level2_model_calls": int(tot["level2_model_calls"]) if "level2_model_calls" in tot else None,
+            "level2_model_s": round(tot["level2_model_s"], 3) if "level2_model_calls" in tot else None}
 
 
 def fidelity_counts(records: Sequence) -> Optional[dict]:
@@ -117,7 +124,8 @@ def _fmt(v, pct=False, x=False) -> str:
 
 COLUMNS = ("policy", "tok/s", "speedup", "decode speedup", "share of q4", "× F16 parent", "identical",
            "identical / near-tie / unexplained",
-           "acceptance", "accepted/call", "low/med/high", "accuracy", "draft/verify/prefill", "peak RSS")
+           "acceptance", "accepted/call", "draft ms/token", "low/med/high", "accuracy", "draft/verify/prefill",
+           "peak RSS")
 
 
 def _fidelity_cell(counts: Optional[dict]) -> str:
@@ -142,6 +150,7 @@ def rows(summary: list[dict]) -> list[list[str]]:
                     _fmt(s.get("f16_speedup"), x=True),
                     _fmt(s["identical_rate"], pct=True), _fidelity_cell(s.get("fidelity")),
                     _fmt(s["acceptance_rate"], pct=True), _fmt(s["mean_accepted_length"]),
+                    _fmt(s.get("draft_ms_per_token")),
                     f"{t['low']:.0%}/{t['medium']:.0%}/{t['high']:.0%}",
                     f"{_fmt(s['accuracy'], pct=True)} (n={s['accuracy_n']})" if s["accuracy_n"] else "–",
                     f"{sp['draft']:.0%}/{sp['verify']:.0%}/{sp['prefill']:.0%}", f"{s['peak_rss_mb']:.0f} MB"])
@@ -189,9 +198,12 @@ def levels_lines(summary: list[dict]) -> list[str]:
         if not lv:
             continue
         l2 = "–" if lv["level2_acceptance"] is None else f"{lv['level2_acceptance']:.1%}"
+        sibling = lv.get("level2_model_calls") is not None
+        lower = (f"the draft verifies its sibling's proposals ({lv['level2_model_calls']} sibling calls, "
+                 f"{lv['level2_model_s']:.1f} s)") if sibling else "the draft verifies suffix proposals"
         out.append(f"- `{s['policy']}` drafting levels: level 1 (the parent verifies the draft) acceptance "
-                   f"{_fmt(lv['level1_acceptance'], pct=True)}, verify {lv['verify_s']:.1f} s; level 2 (the draft "
-                   f"verifies suffix proposals) acceptance {l2} ({lv['level2_accepted']}/{lv['level2_proposed']}), "
+                   f"{_fmt(lv['level1_acceptance'], pct=True)}, verify {lv['verify_s']:.1f} s; level 2 ({lower}) "
+                   f"acceptance {l2} ({lv['level2_accepted']}/{lv['level2_proposed']}), "
                    f"{lv['draft_model_calls']} draft calls for {_fmt(lv['draft_tokens_per_model_call'])} drafted "
                    f"tokens each, draft model {lv['draft_model_s']:.1f} s, proposals {lv['level2_lookup_s']:.2f} s")
     return [""] + out if out else []

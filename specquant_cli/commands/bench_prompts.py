@@ -120,6 +120,8 @@ def prompts(
         "records": [r.to_dict() for r in records],
     }
     err.print(report.rich_table(summary, f"{fam.name}: {len(items)} prompts, {max_tokens} new tokens"))
+    for line in report.levels_lines(summary)[1:]:  # acceptance and time per drafting level
+        err.print(line, markup=False, soft_wrap=True)
     err.print(f"provenance: {fam.provenance}\ncaveat: {INFLATION_NOTE}", markup=False)
     if warning := fidelity.warning(judged):
         err.print(warning, markup=False, soft_wrap=True)  # one line, however long

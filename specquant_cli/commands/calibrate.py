@@ -44,11 +44,15 @@ def calibrate(
         err.print(f"  renderings compared: {describe(c.renderings)}", markup=False)
     err.print(f"  parent call, ms by tokens   {calls}", markup=False)
     for role, s in c.draft_step_s.items():
-        err.print(f"  {role} step                    {s * 1000:.1f} ms ({c.draft_ratio(role):.2f}x a parent step)",
-                  markup=False)
+        err.print(f"  {role + ' step':<28}{s * 1000:.1f} ms ({c.draft_ratio(role):.2f}x a parent step)", markup=False)
     for role, curve in c.draft_call_s.items():
         calls = " · ".join(f"{n}: {s * 1000:.1f}" for n, s in sorted(curve.items()) if n in (1, 2, 4, 8))
-        err.print(f"  {role} call, ms by tokens{' ' * max(1, 6 - len(role))}{calls}", markup=False)
+        err.print(f"  {role + ' call, ms by tokens':<28}{calls}", markup=False)
+    if c.agreement:
+        siblings = fam.siblings()
+        agree = " · ".join(f"{role} {a:.1%}" + (" (sibling)" if role in siblings else "")
+                           for role, a in c.agreement.items())
+        err.print(f"  {'agreement with the parent':<28}{agree}", markup=False)
     if c.deep_pos:
         deep = " · ".join(f"{role} {c.depth_factor(role, 1, c.deep_pos):.2f}x" for role in c.deep_call_s)
         err.print(f"  one-token call after {c.deep_pos} positions: {deep}", markup=False)
@@ -56,7 +60,7 @@ def calibrate(
     for role in c.import_s:
         err.print(f"  {role} KV import of {at} positions {c.import_cost(role, at) * 1000:.1f} ms", markup=False)
     for role, s in c.prefill_token_s.items():
-        err.print(f"  {role} prefill per token       {s * 1000:.2f} ms", markup=False)
+        err.print(f"  {role + ' prefill per token':<28}{s * 1000:.2f} ms", markup=False)
 
 
 def _measured(runtime, force: bool):

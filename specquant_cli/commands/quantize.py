@@ -18,8 +18,14 @@ def register(app: typer.Typer) -> None:
 
 @with_settings("runtime.threads")
 def quantize(
-    base: Path = typer.Argument(..., help="Base model: GGUF with F16/BF16/F32 weights"),
+    base: Optional[Path] = typer.Argument(None, help="Base model: GGUF with F16/BF16/F32 weights (leave it out to add "
+                                          "a --draft-model to the existing family --out)"),
     out: Optional[Path] = typer.Option(None, "--out", help="Family folder (default: models/<base name>)"),
+    draft_model: Optional[Path] = typer.Option(
+        None, "--draft-model", help="A smaller model of the parent's vocabulary (any GGUF type) recorded as a sibling "
+        "draft role: it drafts for the parent, or for q4 in a three-level chain; refused unless its vocabulary is the "
+        "parent's, token for token"),
+    draft_role: str = typer.Option("sibling", "--draft-role", help="Role name of the --draft-model sibling"),
     types: Optional[str] = typer.Option(
         None, "--types", help="Comma-separated types, and/or draft recipes added to the family as roles: q4i (imatrix "
         "Q4_0), q4s (Q4_0 embeddings/output), q3g (graded ~3.5 bpw), q3g30 (graded ~3.0 bpw). Default: q4_k_m,q8_0 "
@@ -39,6 +45,11 @@ def quantize(
     *, cfg: Settings,
 ) -> None:
     threads = cfg.runtime.threads
+    if base is None:
+        if draft_model is None or out is None:
+            raise typer.BadParameter("give a BASE model, or --draft-model with --out FAMILY to add a sibling draft to "
+                                     "an existing family", param_hint="'BASE'")
+        return _add_sibling(out, draft_model, draft_role, force, json_out)
     from specquant_cli.family.ggufio import read_info
     from specquant_cli.family.quantize import default_types, parse_types, quantize_family
     from specquant_cli.family.recipes import add_variants, split_types
@@ -76,8 +87,32 @@ def quantize(
             manifest = add_variants(out_dir, recipes, base=base, imatrix_path=imatrix, threads=threads, force=force,
                                     progress=progress, say=lambda t: prog.console.print(t, markup=False),
                                     warn=lambda t: prog.console.print(f"warning: {t}", markup=False))
+    if draft_model is not None:
+        from specquant_cli.family.siblings import add_sibling
+
+        manifest, _ = add_sibling(out_dir, draft_model, draft_role, force=force, warn=_warn)
     err.print(f"{info.arch} base, {info.n_params / 1e6:.0f}M params -> {out_dir} in {time.perf_counter() - t0:.1f}s")
+    _print_variants(manifest, json_out)
+
+
+def _warn(text: str) -> None:
+    err.print(f"warning: {text}", markup=False)
+
+
+def _print_variants(manifest: dict, json_out: bool) -> None:
     for role, v in manifest["variants"].items():
-        err.print(f"  {role:4} {v['type']:7} {gib(v['size_bytes'])}  {v['bits_per_weight']:.2f} bpw  {v['path']}")
+        err.print(f"  {role:4} {v['type']:7} {gib(v['size_bytes'])}  {v['bits_per_weight']:.2f} bpw  {v['path']}",
+                  markup=False)
     if json_out:
         out_json(manifest)
+
+
+def _add_sibling(family: Path, draft: Path, role: str, force: bool, json_out: bool) -> None:
+    """`quantize --draft-model FILE --out FAMILY` without a base: the sibling added to the family as it is."""
+    from specquant_cli.family.siblings import add_sibling
+
+    manifest, added = add_sibling(family, draft, role, force=force, warn=_warn)
+    v = manifest["variants"][role]
+    err.print(f"{'added' if added else 'already there:'} sibling draft {role} ({v['sibling']['architecture']}, "
+              f"{v['sibling']['n_params'] / 1e6:.0f}M params, {v['sibling']['file_type']}) -> {family}", markup=False)
+    _print_variants(manifest, json_out)

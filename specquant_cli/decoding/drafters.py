@@ -11,8 +11,8 @@ from typing import Optional
 
 import numpy as np
 
-from specquant_cli.decoding.memory import MAX_EXTEND
-from specquant_cli.decoding.protocols import CycleOutcome, Draft, Prepared, TokenContext
+from specquant_cli.decoding.gamma import Acceptance, best_draft_length, expected_tokens
+from specquant_cli.decoding.protocols import CycleOutcome, Draft, Level, Prepared, TokenContext
 from specquant_cli.decoding.sampling import Noise, SamplingParams, greedy_token, probs, sample
 
 # A model drafter imports the parent's KV cache instead of decoding when it lacks more than this many
@@ -80,7 +80,8 @@ class ModelDrafter(DrafterBase):
     soon as the draft's top probability falls below it. With `window`, the draft reads only the last
     `window` tokens of the prompt (plus everything generated since).
 
-    With `lower` (a suffix drafter reading the drafting memory), a second drafting level speculates the
+    With `lower` (protocols.Level: a suffix drafter reading the drafting memory, or a smaller sibling model with
+    its own cache, `ModelLevel`: a chain of three), a second drafting level speculates the
     model's own steps: after each token the model picks, `lower` proposes what follows, the model scores the
     token and the proposals in one call and keeps the proposals as long as they are what it would have picked
     itself (its greedy choice, or its sample with the parent's noise for that position). The draft is the
@@ -97,7 +98,8 @@ class ModelDrafter(DrafterBase):
 
     def __init__(self, ctx: TokenContext, name: str = "model", p_min: Optional[float] = None,
                  stop_ids: frozenset[int] = frozenset(), window: Optional[int] = None,
-                 parent: Optional[TokenContext] = None, lower=None, pacer=None, role: Optional[str] = None):
+                 parent: Optional[TokenContext] = None, lower: Optional[Level] = None, pacer=None,
+                 role: Optional[str] = None):
         self.ctx = ctx
         self.name = name
         self.p_min = p_min
@@ -118,7 +120,8 @@ class ModelDrafter(DrafterBase):
 
     @property
     def counters(self) -> dict[str, float]:
-        return dict(self._counts)
+        """Its own counts, and a model lower level's calls and seconds (`level2_model_calls`, `level2_model_s`)."""
+        return {**self._counts, **(self.lower.counters if self.lower is not None else {})}
 
     def prepare(self, seq: Sequence[int]) -> Prepared:
         """Catch up on the prompt. Called after the parent's prefill (or between cycles), when the parent's
@@ -126,18 +129,21 @@ class ModelDrafter(DrafterBase):
         A paced drafter that imports catches up only when it is first given calls (decoding.rounds): beside
         other sequences it may rest for the whole answer, and its import or catch-up call would be a round
         every sequence waits for."""
+        t0 = time.perf_counter()
         if self.lower is not None:
-            self.lower.prepare(seq)
+            self.lower.prepare(seq)  # a model lower level (a chain's sibling) prefills the prompt here
+        lower_s = time.perf_counter() - t0
         if self.pacer is not None and self.parent is not None and self.import_ok and not self.window:
             self.start = 0
-            return Prepared()
+            return Prepared(prefill_s=lower_s)
         t0 = time.perf_counter()
         imported = self._import(seq)
         self.start = max(0, len(seq) - self.window) if self.window and not imported else 0
         t1 = time.perf_counter()
         self.ctx.sync(seq[self.start:])
         t2 = time.perf_counter()
-        return Prepared(prefill_s=t2 - t1, import_s=t1 - t0 if imported is not None else 0.0, imported=bool(imported))
+        return Prepared(prefill_s=t2 - t1 + lower_s, import_s=t1 - t0 if imported is not None else 0.0,
+                        imported=bool(imported))
 
     def _import(self, seq: Sequence[int]) -> Optional[bool]:
         """Import the parent's cache when that saves a real prefill; None when no import was tried."""
@@ -185,7 +191,7 @@ class ModelDrafter(DrafterBase):
     def _step(self, seq, out: list[int], n: int, sp, noise) -> Optional[int]:
         """Decode out[-1], with the lower level's proposals after it when there is one; append those the model
         agrees with to `out`. Returns the row predicting the next token, or None when the draft ends here."""
-        props = self._proposals(seq, out, n - len(out))
+        props = self._proposals(seq, out, n - len(out), sp, noise)
         self._call(lambda: self.ctx.decode([out[-1]] + props, logits="all" if props else "last"))
         if not props:
             return 0
@@ -207,13 +213,12 @@ class ModelDrafter(DrafterBase):
             self.ctx.rewind(self.ctx.n_past - (len(props) - kept))
         return None if end or len(out) >= n else kept
 
-    def _proposals(self, seq, out: list[int], room: int) -> list[int]:
-        """The lower level's tokens after seq + out (it reads only the tail: a match extends at most
-        MAX_EXTEND tokens back); none without a lower level."""
+    def _proposals(self, seq, out: list[int], room: int, sp, noise) -> list[int]:
+        """The lower level's tokens after seq + out (protocols.Level); none without a lower level."""
         if self.lower is None:
             return []
         t0 = time.perf_counter()
-        props = self.lower.lookup(list(seq[-MAX_EXTEND:]) + out, room).tokens
+        props = self.lower.propose_after(seq, out, room, sp, noise)
         self._counts["lookup_s"] += time.perf_counter() - t0
         return props
 
@@ -237,6 +242,63 @@ class ModelDrafter(DrafterBase):
 
 def _top_prob(row: np.ndarray, top: int) -> float:
     return float(1.0 / np.exp(row - row[top]).sum())
+
+
+# A lower model level's step relative to a call of the model above it, before the calibration says (a 0.5B Q4_K_M
+# sibling under a 1.5B Q4_0 draft); and its per-token acceptance by the model above before any feedback.
+LOWER_RATIO_PRIOR = 0.45
+LOWER_ALPHA_PRIOR = 0.7
+LOWER_PRIOR_WEIGHT = 4.0
+LOWER_PROBE_EVERY = 16  # a lower level that stopped proposing proposes one token after this many steps without
+
+
+class ModelLevel:
+    """A smaller draft model as the lower level of a draft model (protocols.Level): a chain of three, where the
+    sibling drafts, the model above verifies its proposals in one call (keeping the longest run it agrees with),
+    and the parent verifies that model's drafts. `drafter` is the sibling's own ModelDrafter (its own KV cache, its
+    own prefill: it cannot import the parent's); it proposes after each token the upper model picks, with the
+    parent's noise for each position when sampling, so what the upper keeps is its own pick either way.
+
+    The proposal length maximizes the upper's tokens per second: expected_tokens(alpha, k) over one upper call on
+    1 + k tokens (`upper_cost`, relative to its one-token call) plus k lower steps (`ratio` of an upper call each),
+    alpha the share of proposals the upper kept so far (decayed, from LOWER_ALPHA_PRIOR or `alpha`)."""
+
+    def __init__(self, drafter: ModelDrafter, upper_cost, ratio: Optional[float] = None,
+                 alpha: Optional[float] = None, gamma_max: int = 7):
+        self.drafter = drafter
+        self.upper_cost = upper_cost
+        self.ratio = ratio if ratio else LOWER_RATIO_PRIOR
+        self.acceptance = Acceptance(alpha or LOWER_ALPHA_PRIOR, LOWER_PRIOR_WEIGHT, 0.9)
+        self.gamma_max = gamma_max
+        self._idle = 0  # steps of the upper model since the lower level last proposed
+
+    def prepare(self, seq: Sequence[int]) -> None:
+        self.drafter.prepare(seq)
+
+    def remember(self, seq: Sequence[int]) -> None:
+        pass
+
+    def length(self, room: int) -> int:
+        alpha = self.acceptance.alpha
+        return best_draft_length(lambda k: expected_tokens(alpha, k) / (self.upper_cost(1 + k) + k * self.ratio),
+                                 min(room, self.gamma_max))[0]
+
+    def propose_after(self, seq: Sequence[int], out: list[int], room: int, sp: SamplingParams,
+                      noise: Noise) -> list[int]:
+        k = self.length(room)
+        self._idle = 0 if k else self._idle + 1
+        if not k and self._idle >= LOWER_PROBE_EVERY and room:  # a probe: acceptance is learned only from proposals
+            k, self._idle = 1, 0
+        return self.drafter.propose(list(seq) + out, k, sp, noise).tokens if k > 0 else []
+
+    def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
+        if outcome.proposed:
+            self.acceptance.observe(outcome.accepted, outcome.proposed)
+
+    @property
+    def counters(self) -> dict[str, float]:
+        own = self.drafter.counters
+        return {"level2_model_calls": own["model_calls"], "level2_model_s": own["model_s"]}
 
 
 class FallbackDrafter(DrafterBase):

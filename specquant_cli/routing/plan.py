@@ -83,8 +83,12 @@ class Plan:
 
 
 def _drafter_roles(name: str) -> tuple[str, ...]:
-    """The roles drafter `name` loads; a name not registered yet is a role drafting as itself (spec-<role>)."""
-    from specquant_cli.decoding.registry import DRAFTERS
+    """The roles drafter `name` loads; a name not registered yet is a chain's two roles (`chain-<sibling>-<role>`)
+    or a role drafting as itself (spec-<role>)."""
+    from specquant_cli.decoding.registry import DRAFTERS, parse_chain
 
     spec = DRAFTERS.get(name)
-    return spec.roles if spec is not None else (name,)
+    if spec is not None:
+        return spec.roles
+    chain = parse_chain(name)
+    return (chain[1], chain[0]) if chain else (name,)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX
-from specquant_cli.decoding.registry import drafter_spec
+from specquant_cli.decoding.registry import drafter_spec, parse_chain
 from specquant_cli.errors import InputError
 from specquant_cli.family.roles import PARENT_ROLE, RENDERINGS, STANDARD_DRAFTS, is_role_name
 from specquant_cli.names import TIERS, Tier
@@ -81,8 +81,10 @@ def register_policy(spec: PolicySpec) -> PolicySpec:
 for _spec in (
     PolicySpec("auto", "per prompt, the plan with the best predicted speedup from this machine's measured "
                "costs at the prompt's context position, the route and the prompt's copy potential (parent, `suffix`, "
-               "each model draft the family has — `q4`, `q8`, recipes such as `q4i` —, its two-level form "
-               "`stacked-<draft>` once its batch curve is measured, and `suffix+` each); never one predicted below "
+               "each model draft the family has — `q4`, `q8`, recipes such as `q4i`, a sibling model with its own "
+               "prefill charged —, its two-level form `stacked-<draft>` once its batch curve is measured, a chain "
+               "`chain-<sibling>-<draft>` where that makes the draft's step cheaper, and `suffix+` each); never one "
+               "predicted below "
                "1.0x, and an answer whose drafting runs below the parent's rate goes on with the parent alone",
                planner=_auto_planner, roles=STANDARD_DRAFTS),
     PolicySpec("paper", "low → `q4` drafts, the parent verifies; medium → `q8` drafts, the parent verifies; high → "
@@ -117,7 +119,8 @@ def bench_policies() -> list[str]:
 
 
 def policy_help() -> str:
-    return ", ".join(f"{n} (lossy)" if s.lossy else n for n, s in POLICIES.items()) + ", spec-<role>"
+    return ", ".join(f"{n} (lossy)" if s.lossy else n for n, s in POLICIES.items()) + ", spec-<role>, " \
+        "spec-chain-<sibling>-<role>"
 
 
 def policy_spec(name: str) -> PolicySpec:
@@ -128,6 +131,11 @@ def policy_spec(name: str) -> PolicySpec:
     spec = POLICIES.get(name)
     if spec is not None:
         return spec
+    chain = parse_chain(name.removeprefix("spec-")) if name.startswith("spec-") else None
+    if chain is not None:
+        return PolicySpec(name, f"the sibling `{chain[0]}` drafts for `{chain[1]}`, which verifies its proposals in "
+                          "one call; the parent verifies", drafter=name.removeprefix("spec-"),
+                          gamma_policy="calibrated", in_bench=False)
     role = name.removeprefix("spec-")
     if role != name and is_role_name(role) and role != PARENT_ROLE and role not in RENDERINGS:
         from specquant_cli.decoding.registry import DRAFTERS
@@ -135,8 +143,9 @@ def policy_spec(name: str) -> PolicySpec:
         taken = DRAFTERS.get(role)
         if taken is None or taken.roles == (role,):  # not a name taken by another drafter (ngram, suffix)
             return PolicySpec(name, f"`{role}` drafts, the parent verifies", drafter=role, in_bench=False)
-    raise InputError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}, or spec-<role> for "
-                     "another draft role of the family")
+    raise InputError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}, spec-<role> for "
+                     "another draft role of the family, or spec-chain-<sibling>-<role> for a sibling drafting for "
+                     "a role")
 
 
 def check_policy(name: str, roles: Optional[Sequence[str]] = None) -> str:
@@ -176,8 +185,10 @@ def markdown_table() -> str:
     for n, s in POLICIES.items():
         name = f"`{n}`" + (" (default)" if n == DEFAULT_POLICY else "")
         rows.append(f"| {name} | {s.help} | {'**lossy**' if s.lossy else '= parent'} |")
-    rows.append("| `spec-<role>` | any other draft role of the family (one made by `quantize --grade BPW --role NAME`) "
-                "drafts, the parent verifies | = parent |")
+    rows.append("| `spec-<role>` | any other draft role of the family (one made by `quantize --grade BPW --role NAME`, "
+                "or a sibling model added by `quantize --draft-model`) drafts, the parent verifies | = parent |")
+    rows.append("| `spec-chain-<sibling>-<role>` | three levels: the sibling drafts for `<role>` (e.g. `q4`), which "
+                "verifies its proposals in one call; the parent verifies `<role>`'s drafts | = parent |")
     return "\n".join(rows)
 
 

@@ -50,8 +50,8 @@ class Runtime:
         `report`: where calibration's progress and warnings go; `draft_memory`: MiB of each policy's drafting
         memory (decoding.memory); `host_reserve`: bytes of host memory the memory check keeps for more than the models
         (the prompt cache)."""
-        pool = ModelPool(family, register_family_drafters(family.roles()), n_ctx, threads, facts, rpc, parallel,
-                         mmap, rpc_timeout, host_reserve)
+        roles = register_family_drafters(family.roles(), family.siblings())
+        pool = ModelPool(family, roles, n_ctx, threads, facts, rpc, parallel, mmap, rpc_timeout, host_reserve)
         costs = CostModel(pool, gamma, report)
         return cls(pool, costs, DrafterCache(pool, costs, p_min, kv_import, tokens_for(draft_memory)))
 

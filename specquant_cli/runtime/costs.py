@@ -99,7 +99,8 @@ class CostModel:
                             "auto will not pick them")
         with self.report.status("calibrating this machine's costs (once per family and machine)") as status:
             c = measure.measure(pool.context, PARENT_ROLE, drafts,
-                            lambda what, i, n: status.update(f"calibrating: {what} ({i}/{n})"))
+                                lambda what, i, n: status.update(f"calibrating: {what} ({i}/{n})"),
+                                siblings=pool.family.siblings())
             pool.release([r for r in drafts if r not in before])  # loaded only to be measured
             c.renderings = self._compare_renderings(lambda what: status.update(f"calibrating: {what}"))
         c.left_out = skipped

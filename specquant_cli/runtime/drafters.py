@@ -119,6 +119,15 @@ class _Host:
     def draft_cost(self, role: str) -> Callable[[int], float]:
         return self.cache.costs.draft_cost(role)
 
+    def step_ratio(self, lower: str, upper: str) -> Optional[float]:
+        c = self.cache.costs.calibration(measure=False)
+        step, call = (c.draft_step_s.get(lower), c.draft_call(upper, 1)) if c is not None else (None, None)
+        return step / call if step and call else None
+
+    def agreement(self, role: str) -> Optional[float]:
+        c = self.cache.costs.calibration(measure=False)
+        return c.agreement.get(role) if c is not None else None
+
     def pacer(self):
         """The batch's round pacer as this policy's drafters use it: a planned policy's drafts may rest while
         they would slow the batch, a fixed policy's always draft (only their length is paced)."""

@@ -149,6 +149,12 @@ class Calibration:
         slope = max(0.0, (points[hi] - points[lo]) / (hi - lo))
         return max(0.0, points[lo] + slope * (n_tokens - lo))
 
+    def prefill_cost(self, role: str, n_tokens: int) -> Optional[float]:
+        """Seconds for `role` to prefill n_tokens prompt tokens itself (a sibling draft, which cannot import the
+        parent's cache); None when its prefill was not measured."""
+        per = self.prefill_token_s.get(role)
+        return per * n_tokens if per is not None else None
+
     def for_batch(self, b: int, beside: int = 0) -> Calibration:
         """The costs one of `b` sequences decoding together sees: a parent call with n tokens for each costs
         call(b * n), shared b ways; a draft step costs what it costs alone (decoding.rounds prices a model draft

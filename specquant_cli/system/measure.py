@@ -104,13 +104,14 @@ def expected_run_tokens(hits, gamma_max: int) -> list[float]:
 
 
 def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
-            progress: Optional[Callable[[str, int, int], None]] = None) -> Calibration:
+            progress: Optional[Callable[[str, int, int], None]] = None, siblings=()) -> Calibration:
     """Time the calls on real contexts (`ctx_for(role)`), each after the same synthetic prompt.
 
     The machine's speed drifts between minutes, so every round times every parent call size and every
     draft call back to back (ratios between them are what the cost model uses), and the fastest of
     REPEATS rounds is kept for each (other work on the machine only ever adds time). Then the calls deep
-    in the context, the drafts' imports of the parent's cache, and the agreement pass."""
+    in the context, the drafts' imports of the parent's cache (not the `siblings`': another network's cache
+    cannot be imported, they prefill), and the agreement pass."""
     roles = [parent, *drafts]
     pctx = ctx_for(parent)
     deep_pos = deep_position(min(ctx_for(r).n_ctx for r in roles))
@@ -122,7 +123,8 @@ def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
     prefill = _time_prefill(ctx_for, roles, prompt[:PREFILL_TOKENS], tick)
     calls, steps_s, pairs, draft_calls = _time_rounds(ctx_for, parent, drafts, prompt[:PREFILL_TOKENS], tick)
     deep = {role: _time_deep(ctx_for(role), prompt[:deep_pos], tick, role) for role in roles} if deep_pos else {}
-    imports = _time_imports(ctx_for, parent, drafts, [prompt[:n] for n in lengths], tick)
+    imports = _time_imports(ctx_for, parent, [r for r in drafts if r not in siblings], [prompt[:n] for n in lengths],
+                            tick)
     agree, cycles = _agreement(ctx_for, parent, drafts, tick)
     return Calibration(calls, steps_s, prefill, agree, cycles, pairs,
                        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

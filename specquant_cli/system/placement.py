@@ -78,7 +78,7 @@ def place(facts: Facts, parent: ModelNeed, draft: Optional[ModelNeed] = None) ->
 
 
 def need(fam, role: str, n_ctx: int) -> ModelNeed:
-    hp = fam.hparams
+    hp = fam.hparams_of(role)  # a sibling's KV cache is its own network's
     return ModelNeed(role, fam.size(role), kv_cache_bytes(hp, n_ctx), int(hp.get("block_count", 0)))
 
 

@@ -1,0 +1,112 @@
+"""Sibling draft models: a smaller model of the same vocabulary as the parent (another network: Qwen2.5-Coder-0.5B
+beside the 1.5B), recorded in the family as a draft role (`add_sibling`, from `quantize --draft-model` and `pull`).
+
+A sibling is accepted only when it speaks exactly the parent's vocabulary (family.vocab: token count, every token's
+text and type, the special tokens; the first difference is named) and is no bigger than the parent. Any GGUF type is
+accepted: a draft never decides what is said. Its file is copied (hard-linked where it can be) into the family folder
+and committed with the new manifest through the family's journal (family.manifest.commit), so a refused or
+interrupted addition leaves the family as it was. Its record carries a `sibling` object — its architecture,
+parameter count, file type, hyperparameters (its KV cache is its own, sized from them), where it came from — and the
+rest of specquant reads it through `Family.siblings()` and `Family.hparams_of(role)`. A sibling never imports the
+parent's KV cache (another network's layout): it prefills the prompt itself, and every plan and figure counts that."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Optional
+
+from specquant_cli.errors import InputError
+from specquant_cli.family import manifest as fam
+from specquant_cli.family.ggufio import GGUFInfo, read_info
+from specquant_cli.family.roles import PARENT_ROLE, RESERVED, ROLE_RE, ROLE_RULE
+from specquant_cli.family.variants import QUANT_TYPES, variant_record
+from specquant_cli.family.vocab import read_vocab, vocab_difference
+from specquant_cli.fsutil import remove_stale, sha256_file
+
+DEFAULT_SIBLING_ROLE = "sibling"
+WarnFn = fam.WarnFn
+
+
+def check_sibling_role(role: str, family: fam.Family) -> str:
+    """A name for a sibling role: spelled like a role, not a type or built-in role, and not one of the family's
+    variants of its own base (a sibling of that name is replaced only with --force)."""
+    if not ROLE_RE.match(role or "") or role in QUANT_TYPES or role in RESERVED:
+        raise InputError(f"--draft-role {role!r}: {ROLE_RULE}")
+    v = family.manifest["variants"].get(role)
+    if v is not None and not (isinstance(v, dict) and isinstance(v.get("sibling"), dict)):
+        raise InputError(f"--draft-role {role}: the family's {role} variant is one of its own base; pick another name")
+    return role
+
+
+def check_sibling(family: fam.Family, draft: Path) -> GGUFInfo:
+    """The sibling file's header, once it checks out against the family's parent: a readable, complete GGUF (any
+    type), the parent's vocabulary exactly, and no more parameters than the parent. InputError (one line) else."""
+    draft = Path(draft)
+    info = read_info(draft)  # ModelFileError: missing, not a GGUF, truncated or corrupt
+    parent = family.path(PARENT_ROLE)
+    why = vocab_difference(read_vocab(parent), read_vocab(draft), "sibling")
+    if why:
+        raise InputError(f"--draft-model {draft}: not the parent's vocabulary ({why}); a draft must speak it exactly")
+    p_info = read_info(parent)
+    if info.n_params > p_info.n_params:
+        raise InputError(f"--draft-model {draft}: {info.n_params / 1e6:.0f}M parameters, more than the parent's "
+                         f"{p_info.n_params / 1e6:.0f}M; a sibling draft must be smaller than the parent")
+    return info
+
+
+def sibling_file_name(role: str, draft: Path) -> str:
+    """`<role>-<the file's own name>` (characters other than letters, digits, '.', '_' and '-' replaced)."""
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(draft).name)
+    return f"{role}-{stem}" if stem.endswith(".gguf") else f"{role}-{stem}.gguf"
+
+
+def add_sibling(root: Path, draft: Path, role: str = DEFAULT_SIBLING_ROLE, *, source: Optional[str] = None,
+                provenance: Optional[str] = None, force: bool = False,
+                warn: Optional[WarnFn] = None) -> tuple[dict, bool]:
+    """Record `draft` as the sibling role `role` of the family at `root`: checked (check_sibling), copied into the
+    folder and committed with the new manifest in one journaled step. Returns (manifest, added now); a sibling of
+    that role with the same content is kept as it is (False). `source`/`provenance`: where the file came from, as
+    the manifest and the README tell it (default: the path it was added from)."""
+    from specquant_cli.family.quantize import check_disk, stage_copy
+
+    warn = warn or fam.silent
+    root = Path(root)
+    with fam.family_lock(root):
+        family = fam.Family.load(root, warn)
+        remove_stale(root)
+        check_sibling_role(role, family)
+        info = check_sibling(family, draft)
+        sha = sha256_file(draft)
+        old = family.manifest["variants"].get(role)
+        if old is not None and old.get("sha256") == sha and family.problem(role) is None:
+            return family.manifest, False
+        if old is not None and not force:
+            raise InputError(f"--draft-role {role}: the family has a sibling {role} already ({old.get('path')}); "
+                             "pass --force to replace it")
+        dst = root / sibling_file_name(role, draft)
+        check_disk(root, Path(draft).stat().st_size)
+        tmp = stage_copy(Path(draft), dst)
+        try:
+            if sha256_file(tmp) != sha:
+                raise InputError(f"--draft-model {draft}: changed while it was being copied; nothing was added")
+            record = variant_record(tmp, f"sibling-{(info.file_type or info.weight_type).lower()}", role,
+                                    info.n_params, dst.name, datetime.now(UTC), sha,
+                                    extra={"sibling": _sibling_record(info, source or str(draft), provenance)})
+            manifest = dict(family.manifest)
+            manifest["variants"] = {**family.manifest["variants"], role: record}
+            manifest["roles"] = {**(family.manifest.get("roles") or {}), role: record["type"]}
+            fam.commit(root, [(tmp, dst)], manifest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        gone, why = fam.safe_path(root, old.get("path")) if old is not None else (None, "")
+        if gone is not None and not why and gone.name != dst.name:
+            gone.unlink(missing_ok=True)  # the replaced sibling's file
+    return manifest, True
+
+
+def _sibling_record(info: GGUFInfo, source: str, provenance: Optional[str]) -> dict:
+    return {"architecture": info.arch, "name": info.name, "n_params": info.n_params,
+            "file_type": info.file_type or info.weight_type, "hparams": info.hparams, "source": source,
+            "provenance": provenance or info.provenance or "user-supplied sibling model; origin not recorded"}
