@@ -14,7 +14,7 @@ from specquant_cli.errors import FamilyError
 from specquant_cli.family.manifest import Family
 from specquant_cli.reporting import SILENT, Reporter
 from specquant_cli.routing.plan import Plan, PlanContext
-from specquant_cli.routing.policies import DEFAULT_POLICY, check_policy, plan_for
+from specquant_cli.routing.policies import DEFAULT_POLICY, check_policy, plan_for, policy_spec
 from specquant_cli.routing.router import Route, Router, load_config
 from specquant_cli.runtime import Runtime
 from specquant_cli.settings import DEFAULT_FAMILY_DIR, SessionSettings
@@ -129,21 +129,26 @@ class ChatSession:
         self.history.clear()
 
     def plan(self, text: str, policy: Optional[str] = None, prompt: Optional[list[int]] = None,
-             measure: bool = True, answer_tokens: int = 0) -> tuple[Route, Plan]:
+             measure: bool = True, answer_tokens: int = 0, batch: int = 1) -> tuple[Route, Plan]:
         """Route `text` and plan it. A policy with a planner has the session's planner decide, from the
         prompt's copy potential, the roles it may pick, the machine's calibration (measured on first use
-        unless `measure` is False), the prompt's length and the answer's (at most `answer_tokens`)."""
+        unless `measure` is False), the prompt's length and the answer's (at most `answer_tokens`). `batch` > 1:
+        the plan one of that many sequences decoding together would get (the calibration as the batch sees it,
+        Calibration.for_batch; a fresh planner, so nothing this session learned alone is carried over)."""
         route = self.router.route(text)
         name = policy or self.policy
         rt = self.runtime
-        planner = rt.planner(name)
-        if planner is None:
+        planner = rt.planner(name) if batch <= 1 else None
+        if policy_spec(name).planner is None:
             return route, plan_for(name, route.tier)
         from specquant_cli.routing.auto import copy_potential
 
         tokens = prompt if prompt is not None else rt.tokenizer().tokenize(text, add_bos=False, special=False)
-        ctx = PlanContext(name, route.tier, copy_potential(tokens), rt.plannable_roles(),
-                          rt.calibration(measure=measure), len(tokens), answer_tokens)
+        costs = rt.calibration(measure=measure)
+        if costs is not None and batch > 1:
+            costs = costs.for_batch(batch)
+        ctx = PlanContext(name, route.tier, copy_potential(tokens), rt.plannable_roles(), costs, len(tokens),
+                          answer_tokens)
         return route, plan_for(name, route.tier, ctx, planner)
 
     def messages(self, text: str) -> list[dict]:

@@ -183,3 +183,103 @@ def test_the_sibling_policies_run_from_the_command_line(with_sibling):
         r = run_cli([*args, "--policy", policy])
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["text"] == want, policy
+
+
+# -- planning: auto weighs the sibling with its own prefill charged, and the chain where it makes q4 cheaper --------
+def _registered_sibling():
+    from specquant_cli.decoding.registry import register_family_drafters
+
+    register_family_drafters(["parent", "q4", "q8", "sibling"], ["sibling"])
+
+
+def _costs(sibling_step: float, q4_call_growth: float = 0.1):
+    from specquant_cli.system.calibration import Calibration
+
+    c = Calibration({n: 0.1 * (1 + 0.1 * (n - 1)) for n in range(1, 17)},
+                    {"q4": 0.04, "q8": 0.08, "sibling": sibling_step},
+                    {"parent": 0.01, "q4": 0.012, "q8": 0.02, "sibling": 0.004},
+                    agreement={"q4": 0.9, "q8": 0.95, "sibling": 0.85})
+    c.draft_call_s = {"q4": {n: 0.04 * (1 + q4_call_growth * (n - 1)) for n in range(1, 9)},
+                      "sibling": {n: sibling_step * (1 + 0.3 * (n - 1)) for n in range(1, 9)}}
+    c.import_s = {"q4": {64: 0.001, 1024: 0.006}}
+    return c
+
+
+def test_auto_charges_a_siblings_own_prefill():
+    from specquant_cli.routing import auto
+
+    _registered_sibling()
+    roles = ("parent", "q4", "q8", "sibling")
+    short = {c.name: c for c in auto.candidates("medium", 0.0, roles, _costs(0.01), prompt_tokens=50,
+                                               answer_tokens=128)}
+    long = {c.name: c for c in auto.candidates("medium", 0.0, roles, _costs(0.01), prompt_tokens=3000,
+                                              answer_tokens=128)}
+    # (their batch curves are measured: each runs in its two-level form)
+    assert short["stacked-sibling"].predicted > short["stacked-q4"].predicted  # a quarter of q4's step
+    assert long["stacked-sibling"].predicted < long["stacked-q4"].predicted  # 3000 tokens of its own prefill: 12 s
+    assert "sibling" not in auto.choose(list(long.values())).name
+
+
+def test_auto_prices_the_chain_only_where_the_sibling_makes_q4s_step_cheaper():
+    from specquant_cli.routing import auto
+
+    _registered_sibling()
+    roles = ("parent", "q4", "q8", "sibling")
+    flat = {c.name: c for c in auto.candidates("medium", 0.0, roles, _costs(0.005, q4_call_growth=0.05))}
+    assert "chain-sibling-q4" in flat and flat["chain-sibling-q4"].predicted > flat["stacked-q4"].predicted
+    steep = {c.name: c for c in auto.candidates("medium", 0.0, roles, _costs(0.03, q4_call_growth=1.0))}
+    assert "chain-sibling-q4" not in steep  # a q4 call on 1 + k tokens costs 1 + k steps: nothing to gain
+    assert auto.chain_step(_costs(0.03, q4_call_growth=1.0), "sibling", "q4")[0] >= 1.0
+
+
+def test_a_chain_policy_names_both_roles_before_the_family_is_opened():
+    from specquant_cli.errors import InputError
+    from specquant_cli.routing.policies import check_policy, plan_for
+
+    plan = plan_for("spec-chain-sibling-q4", "medium")
+    assert plan.roles == ["parent", "q4", "sibling"] and plan.gamma_policy == "calibrated"
+    assert check_policy("spec-chain-sibling-q4", ["parent", "q4", "sibling"])
+    with pytest.raises(InputError, match="no 'sibling' variant"):
+        check_policy("spec-chain-sibling-q4", ["parent", "q4", "q8"])
+
+
+def test_calibrate_measures_the_sibling_and_route_weighs_it_per_batch_size(with_sibling):
+    """The sibling's step, call curve, prefill and agreement are measured (no KV import: another network), and auto
+    lists its plans for one sequence and for batches of 2 and 4, each with why."""
+    r = run_cli(["calibrate", "--family", str(with_sibling), "--threads", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    c = json.loads(r.stdout)
+    assert c["draft_step_s"]["sibling"] > 0 and c["prefill_token_s"]["sibling"] > 0
+    assert 0 <= c["agreement"]["sibling"] <= 1 and "sibling" in c["draft_call_s"]
+    assert "sibling" not in c["import_s"] and "q4" in c["import_s"]
+    r = run_cli(["route", "--family", str(with_sibling), "--threads", "2", "--max-tokens", "64", "--batch", "1,2,4",
+                 "--json", "Write a Python function that reverses a list."])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert set(out["by_batch"]) == {"1", "2", "4"}
+    for plan in out["by_batch"].values():
+        names = {c["plan"] for c in plan["candidates"]}
+        assert {"sibling", "q4"} <= names or {"stacked-sibling", "stacked-q4"} <= names, names
+        assert plan["why"]
+
+
+def test_two_clients_at_once_draft_with_the_sibling_and_get_the_parents_answers(with_sibling, parent_judge):
+    """serve --parallel 2 with the sibling drafting for both sequences (its calls batched by the round): every answer
+    is the parent's own, or parts from it only at a proven near-tie."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_serve import KEY, PROMPTS, N, ServerProc, ask
+
+    from specquant_cli.bench import fidelity
+
+    s = ServerProc(["--family", str(with_sibling), "--parallel", "2", "--policies",
+                    "spec-sibling,spec-chain-sibling-q4", "--policy", "spec-sibling", "--api-key", KEY])
+    try:
+        jobs = [(p, pol) for pol in ("spec-sibling", "spec-chain-sibling-q4") for p in PROMPTS[:3]]
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda j: ask(s.client(), j[0], extra_body={"specquant_policy": j[1]}), jobs))
+        verdicts = [parent_judge(p, text, N) for (p, _), text in zip(jobs, got)]
+        assert all(got) and fidelity.UNEXPLAINED not in verdicts, list(zip(jobs, got, verdicts))
+        assert s.health()["failed"] == 0
+    finally:
+        s.stop()

@@ -9,7 +9,8 @@ next starts: no contender inherits another's cache, and no two run at once (on 2
 the other's figures).
 
 Contenders are named `POLICY` (a specquant policy) or `llama:MODE` (llama-server: `plain`, `ngram-mod`: its
-n-gram table shared by every slot, `draft-q4`: the family's q4 file as its draft model)."""
+n-gram table shared by every slot, `draft-q4`: the family's q4 file as its draft model, `draft-sibling`: the family's
+sibling model as its draft model)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from typing import Optional
 from specquant_cli.errors import InputError, SpecquantError
 from specquant_cli.settings import settings_table
 
-LLAMA_MODES = {"plain": [], "ngram-mod": ["--spec-type", "ngram-mod"], "draft-q4": ["-md", "{q4}", "-td", "{threads}"]}
+LLAMA_MODES = {"plain": [], "ngram-mod": ["--spec-type", "ngram-mod"], "draft-q4": ["-md", "{q4}", "-td", "{threads}"],
+               "draft-sibling": ["-md", "{sibling}", "-td", "{threads}"]}
 START_TIMEOUT_S = 900.0  # a cold start loads every model of the family (and measures its costs when uncalibrated)
 STOP_TIMEOUT_S = 60.0
 LOG_TAIL_LINES = 20  # a server that dies is named with the last lines it wrote
@@ -50,9 +52,10 @@ class Contender:
         return self.kind == "llama-server"
 
 
-def contenders(text: str, policies: Sequence[str], llama_server: Optional[Path]) -> list[Contender]:
-    """`--servers` (comma-separated) as contenders; a one-line error naming the first one that is no policy of
-    `policies` nor `llama:MODE`, and for llama-server contenders without `llama_server`."""
+def contenders(text: str, check_policy: Callable[[str], str], llama_server: Optional[Path]) -> list[Contender]:
+    """`--servers` (comma-separated) as contenders; a one-line error naming the first one that is no policy
+    (`check_policy` raises InputError for it: a table policy, spec-<role>, a chain) nor `llama:MODE`, and for
+    llama-server contenders without `llama_server`."""
     out = []
     for raw in text.split(","):
         name = raw.strip()
@@ -65,10 +68,12 @@ def contenders(text: str, policies: Sequence[str], llama_server: Optional[Path])
             if llama_server is None:
                 raise InputError(f"--servers {name}: give llama-server's path with --llama-server")
             out.append(Contender(name, "llama-server", mode))
-        elif name in policies:
-            out.append(Contender(name, "specquant", name))
         else:
-            raise InputError(f"--servers: {name!r} is no policy ({', '.join(policies)}) nor llama:MODE")
+            try:
+                check_policy(name)
+            except InputError as e:
+                raise InputError(f"--servers: {name!r} is no policy nor llama:MODE ({e})") from None
+            out.append(Contender(name, "specquant", name))
     if len({c.name for c in out}) != len(out):
         raise InputError(f"--servers {text!r}: a server named twice")
     return out
@@ -109,7 +114,8 @@ def command(c: Contender, setup: Setup, folder: Path, port: int) -> list[str]:
     """The command line that starts `c`'s server."""
     fam = setup.family
     if c.is_llama:
-        extra = [a.replace("{q4}", str(fam.path("q4"))).replace("{threads}", str(setup.threads))
+        roles = {"{q4}": "q4", "{sibling}": "sibling"}
+        extra = [str(fam.path(roles[a])) if a in roles else a.replace("{threads}", str(setup.threads))
                  for a in LLAMA_MODES[c.what]]
         return [str(setup.llama_server), "-m", str(fam.path(fam.parent_rendering)), "--host", "127.0.0.1",
                 "--port", str(port), "-t", str(setup.threads), "-tb", str(setup.threads), "-np", str(setup.parallel),

@@ -48,7 +48,8 @@ def load_cmd(
     servers: Optional[str] = typer.Option(None, "--servers", help="Instead of --url: servers started fresh here, "
                                           "one after another, each loaded the same way (comma-separated: "
                                           "specquant policies such as parent,auto; llama:plain, llama:ngram-mod, "
-                                          "llama:draft-q4 for llama-server). Needs --family", show_default=False),
+                                          "llama:draft-q4, llama:draft-sibling for llama-server). Needs --family",
+                                          show_default=False),
     llama_server: Optional[Path] = typer.Option(None, "--llama-server", help="llama-server's path, for --servers "
                                                 "llama:MODE (built from llama.cpp's sources; none ships here)",
                                                 show_default=False),
@@ -213,13 +214,13 @@ def _side_by_side(servers: str, llama_server: Optional[Path], family, cfg: Setti
     """Each of `servers` started fresh (bench.sides), loaded by `run`, stopped, `repeat` times in turn; then every
     answer judged against the parent alone here."""
     from specquant_cli.bench import load, report, sides
-    from specquant_cli.routing.policies import POLICIES
+    from specquant_cli.routing.policies import check_policy
     from specquant_cli.session import bind_parent
     from specquant_cli.settings import SessionSettings
 
     if llama_server is not None and not (llama_server.is_file() and os.access(llama_server, os.X_OK)):
         raise InputError(f"--llama-server {llama_server}: not an executable file")
-    contenders = sides.contenders(servers, list(POLICIES), llama_server)
+    contenders = sides.contenders(servers, lambda name: check_policy(name, family.roles()), llama_server)
     family = bind_parent(family, SessionSettings.of(cfg))
     parallel = cfg.runtime.parallel
     if parallel is None:  # as serve decides it, so that every server (llama-server too) runs the same number

@@ -5,7 +5,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from specquant_cli.commands.options import JsonOpt, with_settings
+from specquant_cli.commands.options import JsonOpt, int_list, with_settings
 from specquant_cli.console import err, out_json, stderr_reporter
 from specquant_cli.inputs import read_prompt
 from specquant_cli.settings import Settings
@@ -20,6 +20,11 @@ def register(app: typer.Typer) -> None:
 def route(
     prompt: Optional[list[str]] = typer.Argument(None, help="The prompt; '-' (or no PROMPT) reads stdin",
                                                  show_default=False),
+    max_tokens: int = typer.Option(0, "--max-tokens", min=0, help="The answer's length the plans are priced over "
+                                   "(a draft's catch-up on the prompt, a KV import or a sibling's own prefill, is "
+                                   "spread over it); 0: not charged"),
+    batch: str = typer.Option("1", "--batch", help="Batch sizes to plan for, comma-separated (e.g. 1,2,4): the plan "
+                              "one of B sequences decoding together gets (serve --parallel)"),
     json_out: bool = JsonOpt,
     *, cfg: Settings,
 ) -> None:
@@ -32,11 +37,16 @@ def route(
     session = open_session(SessionSettings.of(cfg), report=stderr_reporter())
     runtime, router = session.runtime, session.router
     # routing loads no model weights: the auto policy uses the cached calibration, or priors without one
-    r, plan = session.plan(text, measure=False)
+    sizes = int_list(batch, "--batch", 1, 64)
+    plans = {}
+    for b in sizes:
+        r, plans[b] = session.plan(text, measure=False, answer_tokens=max_tokens, batch=b)
+    plan = plans[sizes[0]]
     calibrated = runtime.calibration(measure=False) is not None
     if json_out:
         out_json({"tier": r.tier, "score": r.score, "features": r.features, "contributions": r.contributions,
                   "plan": plan.to_dict(), "calibrated": calibrated,
+                  **({"by_batch": {str(b): p.to_dict() for b, p in plans.items()}} if len(sizes) > 1 else {}),
                   "thresholds": {"low_max": router.config.low_max, "medium_max": router.config.medium_max}})
         return
     t = Table(title=f"route: {r.tier} (score {r.score:.3f})")
@@ -52,3 +62,5 @@ def route(
     if plan.why:
         err.print(f"why: {plan.why}" + ("" if calibrated else " (uncalibrated: run specquant calibrate)"),
                   markup=False)
+    for b, p in list(plans.items())[1:]:
+        err.print(f"batch of {b}: {p.describe()}" + (f" — {p.why}" if p.why else ""), markup=False)

@@ -285,15 +285,14 @@ def _mixed(name: str, s: float, g: int, copy: float) -> list[Candidate]:
 
 
 def _raise_recipe_bars(cands: list[Candidate]) -> None:
-    """A recipe draft (alone or mixed, plain or two-level) must beat q4's plan of the same kind by RECIPE_MARGIN.
-    Not a sibling or a chain: another network, not one more rounding of the same one."""
-    from specquant_cli.decoding.registry import DRAFTERS
-
+    """A recipe draft or a sibling (alone or mixed, plain or two-level, or a chain) must beat q4's plan of the same
+    kind by RECIPE_MARGIN: the best-looking of several drafts measured on a few hundred tokens is optimistic. On
+    Spec-Bench (AMD EPYC kind) the 0.5B sibling, predicted a few percent above q4 from its cheaper step, ran at q4's
+    decode speed and below it end to end (its own prefill)."""
     by = {c.name: c for c in cands}
     for c in cands:
         role = c.name.removeprefix("suffix+").removeprefix("stacked-")
-        spec = DRAFTERS.get(c.drafter) if c.drafter else None
-        if c.drafter is None or role == "suffix" or role in STANDARD_DRAFTS or (spec is not None and spec.prefills):
+        if c.drafter is None or role == "suffix" or role in STANDARD_DRAFTS:
             continue
         mix = "suffix+" if c.name.startswith("suffix+") else ""
         ref = by.get(f"{mix}stacked-q4") or by.get(f"{mix}q4")
