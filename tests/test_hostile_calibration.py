@@ -91,7 +91,7 @@ def stub_timings(mp, entry: dict) -> list:
     counts measure()'s calls."""
     calls = []
 
-    def measure(ctx_for, parent, drafts, progress=None):
+    def measure(ctx_for, parent, drafts, progress=None, siblings=()):
         calls.append((parent, tuple(drafts)))
         return Calibration.from_dict(json.loads(json.dumps(entry)))
 

@@ -101,7 +101,8 @@ def test_a_bad_sibling_is_refused_in_one_line_and_the_family_left_as_it_was(fam,
 
 
 @pytest.mark.parametrize(("role", "needle"), [("q8", "a role name starts"), ("Big", "a role name starts"),
-                                              ("q4_0", "a role name starts")])
+                                              ("q4_0", "a role name starts"), ("suffix", "names the suffix drafter"),
+                                              ("ngram", "names the ngram drafter"), ("q4i", "a draft recipe")])
 def test_a_sibling_role_name_is_checked(fam, files, role, needle):
     before = snapshot(fam)
     assert_clean_error(run_cli(["quantize", "--draft-model", str(files["small"]), "--out", str(fam), "--draft-role",
@@ -264,8 +265,9 @@ def test_calibrate_measures_the_sibling_and_route_weighs_it_per_batch_size(with_
 
 
 def test_two_clients_at_once_draft_with_the_sibling_and_get_the_parents_answers(with_sibling, parent_judge):
-    """serve --parallel 2 with the sibling drafting for both sequences (its calls batched by the round): every answer
-    is the parent's own, or parts from it only at a proven near-tie."""
+    """serve --parallel 2 with the sibling drafting for both sequences (spec-sibling's calls go to the batcher's
+    rounds like any draft's), and the chain: every answer is the parent's own, or parts from it only at a proven
+    near-tie."""
     from concurrent.futures import ThreadPoolExecutor
 
     from test_serve import KEY, PROMPTS, N, ServerProc, ask
@@ -283,3 +285,36 @@ def test_two_clients_at_once_draft_with_the_sibling_and_get_the_parents_answers(
         assert s.health()["failed"] == 0
     finally:
         s.stop()
+
+
+def test_a_sibling_is_checked_before_a_base_is_quantized(family_dir, files, tmp_path):
+    out = tmp_path / "new"
+    r = run_cli(["quantize", str(family_dir / "smollm2-135m-f16.gguf"), "--out", str(out), "--types", "q8_0",
+                 "--draft-model", str(files["one_token"])])
+    assert_clean_error(r, 1, "token 1000 differs")
+    assert not (out / "manifest.json").exists() and not list(out.glob("*.gguf"))
+
+
+def test_replacing_a_sibling_removes_only_its_own_old_file(family_dir, files, tmp_path):
+    """--force replaces the sibling; a record naming another variant's file (a hostile manifest) never gets that
+    file removed, and a copy that would land on a file the family uses is refused."""
+    root = link_family(family_dir, tmp_path / "fam")
+    assert run_cli(["quantize", "--draft-model", str(files["small"]), "--out", str(root)]).exit_code == 0
+    m = json.loads((root / "manifest.json").read_text())
+    first = m["variants"]["sibling"]["path"]
+    smaller = rewrite_gguf(files["small"], tmp_path / "smaller.gguf", keep_layers=KEEP // 2)
+    assert_clean_error(run_cli(["quantize", "--draft-model", str(smaller), "--out", str(root)]), 1, "--force")
+    assert run_cli(["quantize", "--draft-model", str(smaller), "--out", str(root), "--force"]).exit_code == 0
+    assert not (root / first).exists() and (root / "sibling-smaller.gguf").exists()
+    m = json.loads((root / "manifest.json").read_text())
+    m["variants"]["sibling"]["path"] = m["variants"]["q8"]["path"]  # hostile: the sibling "is" the q8 file
+    m["variants"]["sibling"]["sha256"] = "0" * 64
+    (root / "manifest.json").write_text(json.dumps(m))
+    r = run_cli(["quantize", "--draft-model", str(files["small"]), "--out", str(root), "--force"])
+    assert r.exit_code == 0, r.output
+    assert (root / m["variants"]["q8"]["path"]).exists()  # never removed
+    clash = rewrite_gguf(files["small"], tmp_path / "135m-q8_0.gguf", keep_layers=KEEP)  # -> smollm2-135m-q8_0.gguf
+    before = snapshot(root)
+    assert_clean_error(run_cli(["quantize", "--draft-model", str(clash), "--out", str(root), "--draft-role",
+                                "smollm2"]), 1, "a file the family already uses")
+    assert snapshot(root) == before

@@ -65,7 +65,7 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
             "new_tokens": new,
             # what drafting cost per generated token: the draft models' calls and their own catch-up on the prompt
             # (a sibling's prefill, a KV import), in ms
-            "draft_ms_per_token": round(1000 * sum(r.draft_s + r.draft_prefill_s for r in rs) / new, 2)
+            "draft_ms_per_token": round(1000 * sum(r.draft_s + r.draft_prefill_s + r.kv_import_s for r in rs) / new, 2)
             if new and drafted else None,
             "levels": _levels(rs, drafted, accepted),
             "guard_stops": sum(r.guard_stop is not None for r in rs),

@@ -221,6 +221,8 @@ def _side_by_side(servers: str, llama_server: Optional[Path], family, cfg: Setti
     if llama_server is not None and not (llama_server.is_file() and os.access(llama_server, os.X_OK)):
         raise InputError(f"--llama-server {llama_server}: not an executable file")
     contenders = sides.contenders(servers, lambda name: check_policy(name, family.roles()), llama_server)
+    if any(c.is_llama and c.what == "draft-sibling" for c in contenders) and "sibling" not in family.siblings():
+        raise InputError(f"--servers llama:draft-sibling: the family {family.name} has no sibling draft model")
     family = bind_parent(family, SessionSettings.of(cfg))
     parallel = cfg.runtime.parallel
     if parallel is None:  # as serve decides it, so that every server (llama-server too) runs the same number

@@ -38,7 +38,7 @@ def pull(
 
         fam, built = fetch.pull(name, models_dir, force=force, threads=threads, progress=progress,
                                 warn=lambda t: prog.console.print(f"warning: {t}", markup=False))
-    verb = "built" if built else "present and verified (size + sha256); nothing fetched"
+    verb = "built" if built else "present and verified (size + sha256); nothing rebuilt"
     err.print(f"{fam.name}: {verb} in {time.perf_counter() - t0:.1f}s at {fam.root}")
     for role in fam.stored_roles():
         v = fam.variant(role)

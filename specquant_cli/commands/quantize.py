@@ -8,6 +8,7 @@ import typer
 
 from specquant_cli.commands.options import JsonOpt, with_settings
 from specquant_cli.console import byte_progress, err, gib, out_json
+from specquant_cli.errors import InputError
 from specquant_cli.settings import Settings
 
 
@@ -50,6 +51,11 @@ def quantize(
             raise typer.BadParameter("give a BASE model, or --draft-model with --out FAMILY to add a sibling draft to "
                                      "an existing family", param_hint="'BASE'")
         return _add_sibling(out, draft_model, draft_role, force, json_out)
+    if draft_model is not None:  # a bad sibling is refused before anything is quantized
+        from specquant_cli.family.siblings import check_sibling
+
+        _check_draft_role(draft_role)
+        check_sibling(base, draft_model)
     from specquant_cli.family.ggufio import read_info
     from specquant_cli.family.quantize import default_types, parse_types, quantize_family
     from specquant_cli.family.recipes import add_variants, split_types
@@ -100,9 +106,12 @@ def _warn(text: str) -> None:
 
 
 def _print_variants(manifest: dict, json_out: bool) -> None:
+    """Each variant's record (read from disk on the add-a-sibling path: any field may be missing or odd)."""
     for role, v in manifest["variants"].items():
-        err.print(f"  {role:4} {v['type']:7} {gib(v['size_bytes'])}  {v['bits_per_weight']:.2f} bpw  {v['path']}",
-                  markup=False)
+        v = v if isinstance(v, dict) else {}
+        size, bpw = v.get("size_bytes"), v.get("bits_per_weight")
+        err.print(f"  {role:4} {v.get('type')!s:7} {gib(size) if isinstance(size, int) else '?'}  "
+                  f"{f'{bpw:.2f}' if isinstance(bpw, (int, float)) else '?'} bpw  {v.get('path')}", markup=False)
     if json_out:
         out_json(manifest)
 
@@ -111,8 +120,22 @@ def _add_sibling(family: Path, draft: Path, role: str, force: bool, json_out: bo
     """`quantize --draft-model FILE --out FAMILY` without a base: the sibling added to the family as it is."""
     from specquant_cli.family.siblings import add_sibling
 
+    _check_draft_role(role)
     manifest, added = add_sibling(family, draft, role, force=force, warn=_warn)
-    v = manifest["variants"][role]
-    err.print(f"{'added' if added else 'already there:'} sibling draft {role} ({v['sibling']['architecture']}, "
-              f"{v['sibling']['n_params'] / 1e6:.0f}M params, {v['sibling']['file_type']}) -> {family}", markup=False)
+    sib = manifest["variants"][role].get("sibling") or {}
+    n = sib.get("n_params")
+    err.print(f"{'added' if added else 'already there:'} sibling draft {role} ({sib.get('architecture')}, "
+              f"{f'{n / 1e6:.0f}M' if isinstance(n, int) else '?'} params, {sib.get('file_type')}) -> {family}",
+              markup=False)
     _print_variants(manifest, json_out)
+
+
+def _check_draft_role(role: str) -> None:
+    """--draft-role names no drafter of another kind (ngram, suffix) and is spelled as a role should be."""
+    from specquant_cli.decoding.registry import sibling_name_problem
+    from specquant_cli.family.siblings import check_role_name
+
+    check_role_name(role)
+    why = sibling_name_problem(role)
+    if why:
+        raise InputError(f"--draft-role {why}")

@@ -230,11 +230,23 @@ for _role in builtin_draft_roles():
     register_role_drafters(_role)
 
 
-def register_sibling_drafters(sibling: str, roles) -> None:
+def sibling_name_problem(role: str) -> Optional[str]:
+    """Why `role` cannot name a sibling: it is the name of a drafter that is not that role's model (ngram, suffix)."""
+    spec = DRAFTERS.get(role)
+    if spec is not None and spec.roles != (role,):
+        return f"{role!r} names the {role} drafter ({spec.help or 'not a model'}); pick another name"
+    return None
+
+
+def register_sibling_drafters(sibling: str, roles, siblings=()) -> None:
     """A sibling role's drafters: its own (`sibling`: it drafts for the parent directly), its two-level form and
     their mixes with suffix drafts, each prefilling the prompt itself (never importing the parent's cache), and a
-    chain `chain-<sibling>-<role>` for every other model draft role of the family (q4 first). Registered over any
-    earlier registration of these names: a sibling must never be handed the parent's cache."""
+    chain `chain-<sibling>-<role>` for every model draft role of the family that shares the parent's network (q4
+    first; not another of its `siblings`). Registered over any earlier registration of these names (a sibling must
+    never be handed the parent's cache), but never over a drafter of another kind: InputError then."""
+    why = sibling_name_problem(sibling)
+    if why:
+        raise InputError(f"sibling role {why}")
     rows = (
         (sibling, _model(sibling, kv_import=False), f"the sibling model {sibling} drafts (its own prefill)", False),
         (f"stacked-{sibling}", _stacked(sibling, imports=False),
@@ -247,7 +259,8 @@ def register_sibling_drafters(sibling: str, roles) -> None:
     for name, build, help_, memory in rows:
         register_drafter(DrafterSpec(name, (sibling,), build, help=help_, memory=memory, prefills=(sibling,)))
     for role in draft_roles(roles):
-        if role != sibling and role in DRAFTERS and DRAFTERS[role].roles == (role,) and not DRAFTERS[role].prefills:
+        if role not in (sibling, *siblings) and role in DRAFTERS and DRAFTERS[role].roles == (role,) \
+                and not DRAFTERS[role].prefills:
             register_drafter(DrafterSpec(chain_name(sibling, role), (role, sibling), _chain(sibling, role),
                                          help=f"the sibling {sibling} drafts for {role} (which verifies its proposals "
                                               "in one call), the parent verifies", prefills=(sibling,)))
@@ -261,7 +274,7 @@ def register_family_drafters(roles, siblings=()) -> list[str]:
         if r not in siblings:
             register_role_drafters(r)
     for r in siblings:
-        register_sibling_drafters(r, roles)
+        register_sibling_drafters(r, roles, siblings)
     return model_draft_roles(roles)
 
 

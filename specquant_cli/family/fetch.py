@@ -216,20 +216,32 @@ def fetch_sibling(spec: SiblingSpec, workdir: Path, progress: Optional[Progress]
 
 def pull_siblings(spec: FamilySpec, root: Path, progress: Optional[Progress] = None,
                   warn: Optional[Callable[[str], None]] = None) -> list[str]:
-    """Add the family's sibling drafts that are missing or fail their sha256 (family.siblings.add_sibling).
-    Returns the roles added now."""
+    """Add the family's sibling drafts that are missing or whose file fails its checks (sha256 included): fetched,
+    then family.siblings.add_sibling. A sibling of that role that checks out is kept, whatever its file (the user's
+    own). The family works without its sibling: one that cannot be added (no network, a folder that cannot be
+    written, a role the family uses for another variant) is a warning. Returns the roles added now."""
     from specquant_cli.family.siblings import add_sibling
 
+    warn = warn or (lambda text: None)
     added = []
     for sib in spec.siblings:
         fam = Family.load(root, warn)
-        if sib.role in fam.siblings() and fam.problem(sib.role, hashes=True) is None \
-                and fam.variant(sib.role).get("sha256") == sib.sha256:
+        if sib.role in fam.manifest["variants"] and sib.role not in fam.siblings():
+            warn(f"{root}: its {sib.role} variant is not a sibling model; the {spec.name} sibling draft is not added")
             continue
-        with tempfile.TemporaryDirectory(dir=root, prefix=f".fetch-{os.getpid()}-") as tmp:
-            path = fetch_sibling(sib, Path(tmp), progress)
-            add_sibling(root, path, sib.role, source=", ".join(sib.packages), provenance=sib.origin, force=True,
-                        warn=warn)
+        if sib.role in fam.siblings() and fam.problem(sib.role, hashes=True) is None:
+            continue
+        try:
+            check_folder_writable(root, "--models-dir")
+            with tempfile.TemporaryDirectory(dir=root, prefix=f".fetch-{os.getpid()}-") as tmp:
+                path = fetch_sibling(sib, Path(tmp), progress)
+                add_sibling(root, path, sib.role, source=", ".join(sib.packages), provenance=sib.origin, force=True,
+                            warn=warn)
+        except (InputError, FamilyError, OSError) as e:
+            why = getattr(e, "strerror", None) or str(e)
+            warn(f"the {sib.role} draft of {spec.name} was not added ({why}); the family works without it, and the "
+                 f"next pull tries again")
+            continue
         added.append(sib.role)
     return added
 
@@ -265,8 +277,8 @@ def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
         recover(root, warn)  # a killed earlier run's half-done commit, finished before anything is judged
         remove_stale(root)  # and the temp files and work folders such a run left
     if not force and (fam := present(root, warn=warn)) is not None:
-        added = pull_siblings(spec, root, progress, warn)
-        return (Family.load(root, warn), True) if added else (fam, False)
+        added = pull_siblings(spec, root, progress, warn)  # a sibling missing or broken: fetched alone
+        return (Family.load(root, warn) if added else fam), False
     root = check_folder_writable(root, "--models-dir", create=True)
     # Everything new is built in a work folder (its name carries our pid, so a killed run's is removed
     # by the next one); the family itself changes only in quantize_family's final commit.

@@ -12,7 +12,9 @@ parent's KV cache (another network's layout): it prefills the prompt itself, and
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Optional
@@ -20,7 +22,7 @@ from typing import Optional
 from specquant_cli.errors import InputError
 from specquant_cli.family import manifest as fam
 from specquant_cli.family.ggufio import GGUFInfo, read_info
-from specquant_cli.family.roles import PARENT_ROLE, RESERVED, ROLE_RE, ROLE_RULE
+from specquant_cli.family.roles import PARENT_ROLE, RESERVED, ROLE_RE, ROLE_RULE, builtin_draft_roles
 from specquant_cli.family.variants import QUANT_TYPES, variant_record
 from specquant_cli.family.vocab import read_vocab, vocab_difference
 from specquant_cli.fsutil import remove_stale, sha256_file
@@ -29,23 +31,31 @@ DEFAULT_SIBLING_ROLE = "sibling"
 WarnFn = fam.WarnFn
 
 
-def check_sibling_role(role: str, family: fam.Family) -> str:
-    """A name for a sibling role: spelled like a role, not a type or built-in role, and not one of the family's
-    variants of its own base (a sibling of that name is replaced only with --force)."""
+def check_role_name(role: str) -> str:
+    """A name for a sibling role: spelled like a role, not a type, a built-in role or a draft recipe's role."""
     if not ROLE_RE.match(role or "") or role in QUANT_TYPES or role in RESERVED:
         raise InputError(f"--draft-role {role!r}: {ROLE_RULE}")
+    if role in builtin_draft_roles():
+        raise InputError(f"--draft-role {role!r}: the role of a draft recipe; pick another name")
+    return role
+
+
+def check_sibling_role(role: str, family: fam.Family) -> str:
+    """check_role_name, and not one of the family's variants of its own base (a sibling of that name is replaced
+    only with --force)."""
+    check_role_name(role)
     v = family.manifest["variants"].get(role)
     if v is not None and not (isinstance(v, dict) and isinstance(v.get("sibling"), dict)):
         raise InputError(f"--draft-role {role}: the family's {role} variant is one of its own base; pick another name")
     return role
 
 
-def check_sibling(family: fam.Family, draft: Path) -> GGUFInfo:
-    """The sibling file's header, once it checks out against the family's parent: a readable, complete GGUF (any
-    type), the parent's vocabulary exactly, and no more parameters than the parent. InputError (one line) else."""
+def check_sibling(parent: Path, draft: Path) -> GGUFInfo:
+    """The sibling file's header, once it checks out against the parent's file (or the base it is made from): a
+    readable, complete GGUF (any type), the parent's vocabulary exactly, and no more parameters than the parent.
+    InputError (one line) else."""
     draft = Path(draft)
     info = read_info(draft)  # ModelFileError: missing, not a GGUF, truncated or corrupt
-    parent = family.path(PARENT_ROLE)
     why = vocab_difference(read_vocab(parent), read_vocab(draft), "sibling")
     if why:
         raise InputError(f"--draft-model {draft}: not the parent's vocabulary ({why}); a draft must speak it exactly")
@@ -77,18 +87,23 @@ def add_sibling(root: Path, draft: Path, role: str = DEFAULT_SIBLING_ROLE, *, so
         family = fam.Family.load(root, warn)
         remove_stale(root)
         check_sibling_role(role, family)
-        info = check_sibling(family, draft)
-        sha = sha256_file(draft)
         old = family.manifest["variants"].get(role)
-        if old is not None and old.get("sha256") == sha and family.problem(role) is None:
+        dst = root / sibling_file_name(role, draft)
+        taken = _names_in_use(family.manifest, but=role)
+        if dst.name in taken:
+            raise InputError(f"--draft-model {draft}: it would be copied to {dst.name}, a file the family already "
+                             "uses; rename it or pick another --draft-role")
+        check_sibling(family.path(PARENT_ROLE), draft)  # refused in one line before anything is copied
+        sha = sha256_file(draft)
+        if old is not None and old.get("sha256") == sha and family.problem(role, hashes=True) is None:
             return family.manifest, False
         if old is not None and not force:
             raise InputError(f"--draft-role {role}: the family has a sibling {role} already ({old.get('path')}); "
                              "pass --force to replace it")
-        dst = root / sibling_file_name(role, draft)
         check_disk(root, Path(draft).stat().st_size)
         tmp = stage_copy(Path(draft), dst)
-        try:
+        try:  # the copy is what is checked and recorded (the file given may change meanwhile)
+            info = check_sibling(family.path(PARENT_ROLE), tmp)
             if sha256_file(tmp) != sha:
                 raise InputError(f"--draft-model {draft}: changed while it was being copied; nothing was added")
             record = variant_record(tmp, f"sibling-{(info.file_type or info.weight_type).lower()}", role,
@@ -98,12 +113,45 @@ def add_sibling(root: Path, draft: Path, role: str = DEFAULT_SIBLING_ROLE, *, so
             manifest["variants"] = {**family.manifest["variants"], role: record}
             manifest["roles"] = {**(family.manifest.get("roles") or {}), role: record["type"]}
             fam.commit(root, [(tmp, dst)], manifest)
+        except InputError as e:  # the checks name the file given, not our temp copy
+            raise InputError(str(e).replace(str(tmp), str(draft))) from None
         finally:
             tmp.unlink(missing_ok=True)
-        gone, why = fam.safe_path(root, old.get("path")) if old is not None else (None, "")
-        if gone is not None and not why and gone.name != dst.name:
-            gone.unlink(missing_ok=True)  # the replaced sibling's file
+        _remove_replaced(root, old, manifest, warn)
     return manifest, True
+
+
+def _names_in_use(manifest: dict, but: str = "") -> set[str]:
+    """The family folder's file names a manifest uses (every variant's but `but`'s, the imatrix, grading plans) and
+    its own files."""
+    names = set(fam.RESERVED)
+    for role, v in manifest.get("variants", {}).items():
+        if role != but and isinstance(v, dict) and isinstance(v.get("path"), str):
+            names.add(v["path"])
+    imx = manifest.get("imatrix")
+    if isinstance(imx, dict) and isinstance(imx.get("file"), str):
+        names.add(imx["file"])
+    for v in manifest.get("variants", {}).values():
+        grade = v.get("grade") if isinstance(v, dict) else None
+        if isinstance(grade, dict) and isinstance(grade.get("plan_file"), str):
+            names.add(grade["plan_file"])
+    return names
+
+
+def _remove_replaced(root: Path, old: Optional[dict], manifest: dict, warn: WarnFn) -> None:
+    """The file of the sibling record `old` that the new manifest replaced: removed only when it is a plain GGUF
+    file name of this folder that nothing in the new manifest uses (a record is not trusted to name it)."""
+    name = old.get("path") if isinstance(old, dict) else None
+    if not isinstance(name, str) or "/" in name or not name.endswith(".gguf") or name in _names_in_use(manifest):
+        return
+    path = root / name
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        warn(f"{path}: the replaced sibling's file could not be removed ({e.strerror}); remove it by hand")
 
 
 def _sibling_record(info: GGUFInfo, source: str, provenance: Optional[str]) -> dict:

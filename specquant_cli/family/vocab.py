@@ -115,6 +115,9 @@ def vocab_difference(parent: Vocab, other: Vocab, what: str = "draft") -> Option
         return f"tokenizer model differs: parent {parent.model!r}, {what} {other.model!r}"
     if len(parent.tokens) != len(other.tokens):
         return f"token counts differ: parent {len(parent.tokens)}, {what} {len(other.tokens)}"
+    for v, who in ((parent, "the parent's"), (other, f"the {what}'s")):
+        if v.types and len(v.types) != len(v.tokens):
+            return f"{who} token types are {len(v.types)} for {len(v.tokens)} tokens"
     types = bool(parent.types) and bool(other.types)
     for i, (a, b) in enumerate(zip(parent.tokens, other.tokens)):
         if a != b or (types and parent.types[i] != other.types[i]):

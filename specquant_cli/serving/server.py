@@ -168,7 +168,7 @@ def serve_settings(cfg: Settings, family, facts=None, report=None) -> tuple[Sett
     if not offered:
         have = set(family.roles())
         offered = [p for p in POLICIES if set(all_roles([p])) <= have]
-        offered += [f"spec-{r}" for r in register_family_drafters(family.roles())
+        offered += [f"spec-{r}" for r in register_family_drafters(family.roles(), family.siblings())
                     if f"spec-{r}" not in offered]  # roles made by quantize --grade --role NAME
     if policy not in offered:
         raise InputError(f"--policy {policy} must be one of --policies ({', '.join(offered)})")
