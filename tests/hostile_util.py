@@ -69,16 +69,23 @@ def copy_family(src: Path, dst: Path) -> Path:
     return dst
 
 
-def link_family(src: Path, dst: Path) -> Path:
-    """The demo family's GGUFs hard-linked (read-only use, replaced only by rename), its manifest copied."""
+def link_family(src: Path, dst: Path, roles: tuple[str, ...] = ()) -> Path:
+    """The demo family's GGUFs hard-linked (read-only use, replaced only by rename), its manifest copied; with
+    `roles`, only those variants (a smaller family is calibrated faster)."""
     dst.mkdir(parents=True)
     m = json.loads((src / "manifest.json").read_text())
+    if roles:
+        m["variants"] = {r: v for r, v in m["variants"].items() if r in roles}
+        m["roles"] = {r: t for r, t in m.get("roles", {}).items() if r in roles}
     for v in m["variants"].values():
         try:
             os.link(src / v["path"], dst / v["path"])
         except OSError:
             shutil.copyfile(src / v["path"], dst / v["path"])
-    shutil.copyfile(src / "manifest.json", dst / "manifest.json")
+    if roles:
+        (dst / "manifest.json").write_text(json.dumps(m, indent=1))
+    else:
+        shutil.copyfile(src / "manifest.json", dst / "manifest.json")
     return dst
 
 

@@ -47,8 +47,9 @@ def fam(family_dir, tmp_path) -> Path:
 
 @pytest.fixture(scope="module")
 def with_sibling(family_dir, files, tmp_path_factory) -> Path:
-    """A copy of the demo family with the small sibling added through the command line."""
-    root = link_family(family_dir, tmp_path_factory.mktemp("with-sibling") / "fam")
+    """A copy of the demo family (its F16 parent and q4: fewer roles to calibrate) with the small sibling added
+    through the command line."""
+    root = link_family(family_dir, tmp_path_factory.mktemp("with-sibling") / "fam", roles=("f16", "q4"))
     r = run_cli(["quantize", "--draft-model", str(files["small"]), "--out", str(root)])
     assert r.exit_code == 0, r.output
     return root

@@ -122,10 +122,11 @@ class _Header:
 
 
 class _Cursor:
-    """Bounds-checked reads over a GGUF's header (a hostile file cannot make it read past the end)."""
+    """Bounds-checked reads over a GGUF's header (a hostile file cannot make it read past the end). Arrays are
+    skipped (strings fingerprinted), except those of the keys in `keep`: returned whole (strings as bytes)."""
 
-    def __init__(self, buf, path: Path):
-        self.buf, self.pos, self.path = buf, 0, path
+    def __init__(self, buf, path: Path, keep: frozenset[str] = frozenset()):
+        self.buf, self.pos, self.path, self.keep = buf, 0, path, keep
 
     def take(self, n: int) -> bytes:
         if n < 0 or self.pos + n > len(self.buf) or self.pos + n > MAX_METADATA_BYTES:
@@ -149,10 +150,15 @@ class _Cursor:
             raise ModelFileError(f"{self.path}: truncated or corrupt GGUF (metadata {key!r} has type {vtype})")
         etype, count = self.scalar("<I"), self.scalar("<Q")
         if etype in _SCALARS:
-            self.take(struct.calcsize(_SCALARS[etype]) * count)
-            return None
+            fmt = _SCALARS[etype]
+            raw = self.take(struct.calcsize(fmt) * count)
+            return list(struct.unpack(f"<{count}{fmt[1:]}", raw)) if key in self.keep else None
         if etype != _STRING:
             raise ModelFileError(f"{self.path}: truncated or corrupt GGUF (array {key!r} of type {etype})")
+        if key in self.keep:
+            if count * 8 > len(self.buf) - self.pos:  # each string takes 8 bytes at least
+                raise ModelFileError(f"{self.path}: truncated or corrupt GGUF (array {key!r} runs past the end)")
+            return [self.string() for _ in range(count)]
         h = hashlib.sha256()
         for _ in range(count):
             h.update(self.string())
@@ -160,14 +166,15 @@ class _Cursor:
         return h.hexdigest()
 
 
-def _parse_header(path: Path) -> tuple[_Header, int]:
+def _parse_header(path: Path, keep: frozenset[str] = frozenset()) -> tuple[_Header, int]:
     """GGUF metadata and tensor infos without reading tensor data: (header, file size). Fast even for a
-    vocabulary of 150k tokens, where `gguf.GGUFReader` takes seconds."""
+    vocabulary of 150k tokens, where `gguf.GGUFReader` takes seconds. The arrays of the keys in `keep` are read
+    whole (_Cursor)."""
     import mmap
 
     size = path.stat().st_size
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        c = _Cursor(buf, path)
+        c = _Cursor(buf, path, keep)
         c.take(4)
         _, n_tensors, n_kv = struct.unpack("<IQQ", c.take(20))
         kv = {}
@@ -186,6 +193,19 @@ def _parse_header(path: Path) -> tuple[_Header, int]:
         align = align if isinstance(align, int) and align > 0 else 32
         data_start = -(-c.pos // align) * align
     return _Header(kv, tensors, data_start), size
+
+
+def read_metadata(path: Path, keep: frozenset[str] = frozenset()) -> dict:
+    """A GGUF's metadata (key -> value; the arrays of `keep` whole, other arrays fingerprinted or None), its header
+    checked first; ModelFileError (one line) on anything wrong."""
+    path = Path(path)
+    problem = header_problem(path)
+    if problem:
+        raise ModelFileError(f"{path}: {problem}")
+    try:
+        return _parse_header(path, keep)[0].kv
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read it ({e.strerror})") from None
 
 
 def read_info(path: Path) -> GGUFInfo:

@@ -2,19 +2,17 @@
 model) and compared with another's (`vocab_difference`): a sibling draft model is accepted only when it speaks
 exactly the parent's vocabulary, and the first token that differs is named when it does not.
 
-Read from the header with bounds-checked reads over a memory map (a hostile file cannot make it read past the
-end); 150k tokens take a fraction of a second."""
+Read from the header with ggufio's bounds-checked reads over a memory map (a hostile file cannot make it read past
+the end); 150k tokens take a fraction of a second."""
 
 from __future__ import annotations
 
-import mmap
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import ModelFileError
-from specquant_cli.family.ggufio import MAX_METADATA_BYTES, header_problem
+from specquant_cli.family.ggufio import read_metadata
 
 TOKENS = "tokenizer.ggml.tokens"
 TYPES = "tokenizer.ggml.token_type"
@@ -22,8 +20,6 @@ MODEL = "tokenizer.ggml.model"
 PRE = "tokenizer.ggml.pre"
 SPECIAL_SUFFIX = "_token_id"  # tokenizer.ggml.bos_token_id, eos, eot, eom, pad, unk, sep, mask, fim_* ...
 TOKEN_TYPE_NAMES = {1: "normal", 2: "unknown", 3: "control", 4: "user-defined", 5: "unused", 6: "byte"}
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
 
 
 @dataclass
@@ -36,62 +32,10 @@ class Vocab:
     pre: str = ""
 
 
-class _Reader:
-    def __init__(self, buf, path: Path):
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def take(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > len(self.buf) or self.pos + n > MAX_METADATA_BYTES:
-            raise ModelFileError(f"{self.path}: truncated or corrupt GGUF (metadata runs past the end of the file)")
-        b = self.buf[self.pos:self.pos + n]
-        self.pos += n
-        return b
-
-    def scalar(self, fmt: str):
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
-
-    def string(self) -> bytes:
-        return self.take(self.scalar("<Q"))
-
-    def value(self, vtype: int, key: str):
-        """A metadata value: a scalar, a str, or a list (arrays of strings as bytes, of scalars as numbers)."""
-        if vtype in _SCALARS:
-            return self.scalar(_SCALARS[vtype])
-        if vtype == _STRING:
-            return self.string().decode("utf-8", "replace")
-        if vtype != _ARRAY:
-            raise ModelFileError(f"{self.path}: truncated or corrupt GGUF (metadata {key!r} has type {vtype})")
-        etype, count = self.scalar("<I"), self.scalar("<Q")
-        if etype == _STRING:
-            if count * 8 > len(self.buf) - self.pos:
-                raise ModelFileError(f"{self.path}: truncated or corrupt GGUF (array {key!r} runs past the end)")
-            return [self.string() for _ in range(count)]
-        if etype not in _SCALARS:
-            raise ModelFileError(f"{self.path}: truncated or corrupt GGUF (array {key!r} of type {etype})")
-        fmt = _SCALARS[etype]
-        raw = self.take(struct.calcsize(fmt) * count)
-        return list(struct.unpack(f"<{count}{fmt[1:]}", raw)) if key == TYPES else None
-
-
 def read_vocab(path: Path) -> Vocab:
     """The vocabulary of the GGUF at `path`; ModelFileError (one line) when it is no GGUF or has no vocabulary."""
     path = Path(path)
-    why = header_problem(path)
-    if why:
-        raise ModelFileError(f"{path}: {why}")
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            r = _Reader(buf, path)
-            r.take(4)
-            _, _, n_kv = struct.unpack("<IQQ", r.take(20))
-            kv = {}
-            for _ in range(n_kv):
-                key = r.string().decode("utf-8", "replace")
-                kv[key] = r.value(r.scalar("<I"), key)
-    except OSError as e:
-        raise ModelFileError(f"{path}: cannot read it ({e.strerror})") from None
-    except struct.error:
-        raise ModelFileError(f"{path}: truncated or corrupt GGUF (metadata runs past the end of the file)") from None
+    kv = read_metadata(path, frozenset({TOKENS, TYPES}))
     tokens = kv.get(TOKENS)
     if not isinstance(tokens, list) or not tokens:
         raise ModelFileError(f"{path}: no vocabulary ({TOKENS}) in its metadata")
