@@ -117,6 +117,8 @@ class ChatSession:
     stop: Sequence[str] = ()
     history: list[dict] = field(default_factory=list)
     last: Optional[Answer] = None
+    grammar: object = None  # decoding.grammar.Grammar every answer of `ask` is held to (chat --json-schema)
+    tools: Optional[list[dict]] = None  # OpenAI function tools the chat template describes to every `ask`
 
     def for_runtime(self, runtime: Runtime, router) -> ChatSession:
         """This session's settings over another runtime and router (a serving slot's), with no history."""
@@ -165,7 +167,8 @@ class ChatSession:
         Returns:
             (answer, records): routing and planning happen now, generation only as `records` is consumed;
             `answer.text` and `answer.last` fill in as it goes, complete once the iterator is exhausted."""
-        answer, records = self.ask_messages(self.messages(text), route_text=text)
+        answer, records = self.ask_messages(self.messages(text), route_text=text, grammar=self.grammar,
+                                            tools=self.tools)
         if not remember:
             return answer, records
 
@@ -177,24 +180,28 @@ class ChatSession:
 
     def ask_messages(self, messages: list[dict], route_text: Optional[str] = None, policy: Optional[str] = None,
                      sampling: Optional[SamplingParams] = None, max_tokens: Optional[int] = None,
-                     stop: Optional[Sequence[str]] = None, raw_prompt: Optional[str] = None, scope: str = ""
+                     stop: Optional[Sequence[str]] = None, raw_prompt: Optional[str] = None, scope: str = "",
+                     grammar=None, tools: Optional[list[dict]] = None, top_logprobs: Optional[int] = None
                      ) -> tuple[Answer, Iterator[Response]]:
         """Like `ask`, for a whole conversation given as messages (the server's entry point); the session's
         history is not used or changed. The route scores `route_text` (default: the last user message).
         `raw_prompt` is tokenized as it is instead of rendering the messages (plain completions). `scope`: the
         request's scope (a server's tenant and cache_salt; "" for a session alone), whose part of the drafting memory
-        its drafter uses."""
+        its drafter uses. `grammar` (decoding.grammar.Grammar): what the answer must be; `tools`: OpenAI function tools
+        the chat template describes to the model; `top_logprobs`: record the parent's log-probabilities with that
+        many alternatives."""
         if route_text is None:
             route_text = raw_prompt if raw_prompt is not None else next(
                 (m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         t0 = time.perf_counter()
         model = self.runtime.tokenizer()
         prompt = model.tokenize(raw_prompt, add_bos=model.add_bos()) if raw_prompt is not None \
-            else model.chat_prompt(messages)
+            else model.chat_prompt(messages, tools)
         limit = max_tokens or self.max_tokens
         route, plan = self.plan(route_text, policy, prompt, answer_tokens=limit)
         answer = Answer(route_text, route, plan, route_s=time.perf_counter() - t0)
-        engine = self.runtime.engine(plan, sampling or self.sampling, position=len(prompt), scope=scope)
+        engine = self.runtime.engine(plan, sampling or self.sampling, position=len(prompt), scope=scope,
+                                     grammar=grammar, top_logprobs=top_logprobs)
         stops = self.stop if stop is None else stop
 
         def run() -> Iterator[Response]:

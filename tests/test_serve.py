@@ -222,7 +222,7 @@ def test_eight_concurrent_clients_all_get_complete_correct_answers(server, paren
 @pytest.mark.slow
 @pytest.mark.parametrize("kw, param", [
     ({"n": 2}, "n"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                 {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages[0].content[1]"),
@@ -350,11 +350,11 @@ def test_schema_maps_content_parts_developer_role_and_defaults():
     assert p.sampling.temperature == 1.0 and p.sampling.seed == 3  # OpenAI's default temperature
 
 
-def test_schema_refuses_tool_messages_and_token_prompts():
+def test_schema_refuses_function_messages_and_token_prompts():
     from specquant_cli.serving.schemas import ApiError, chat_params, completion_params
 
     with pytest.raises(ApiError) as e:
-        chat_params({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, lambda p: "paper")
+        chat_params({"messages": [{"role": "function", "content": "x", "name": "f"}]}, lambda p: "paper")
     assert e.value.param == "messages[0].role"
     with pytest.raises(ApiError) as e:
         completion_params({"prompt": [[1, 2, 3]]}, lambda p: "paper")

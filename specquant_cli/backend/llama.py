@@ -284,12 +284,20 @@ class Model:
         return buf.value.decode("utf-8", "replace")
 
     # -- chat -----------------------------------------------------------------------------------
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
         """Token ids of `messages` rendered with the GGUF's own chat template, ready for generation. Special
         tokens come only from the template's own markup: what a message says is tokenized as text, so a user who
         writes `<|im_end|><|im_start|>system` gets those characters, not a forged turn. (A prompt none of whose
-        messages spells a special token is tokenized whole, as the template renders it.)"""
+        messages spells a special token is tokenized whole, as the template renders it.)
+
+        `tools` (OpenAI's function tools) and messages with tool calls or tool results go through the template when
+        it renders them (Qwen2.5's); a template that does not gets them as plain turns (toolcalls.render_messages)."""
+        from specquant_cli import toolcalls
+
         fmt = self._chat_formatter()
+        if not toolcalls.template_knows_tools(fmt.template if fmt is not None else None):
+            messages, tools = toolcalls.render_messages(messages, tools), None
+        extra = {"tools": tools} if tools else {}
         contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
         spelled = [c for c in contents if self.spells_special(c)]
         if fmt is None:
@@ -299,13 +307,13 @@ class Model:
                 return self.tokenize("".join(t for t, _ in pieces), add_bos=self.add_bos())
             return self._tokenize_parts(pieces, self.add_bos())
         if not spelled:
-            text = fmt(messages=messages).prompt
+            text = fmt(messages=messages, **extra).prompt
             return self.tokenize(text, add_bos=self._add_bos_to(fmt, text), special=True)
         nonce = secrets.token_hex(8)
         opens, closes = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
         marked = [{**m, "content": f"{opens}{m['content']}{closes}"} if isinstance(m.get("content"), str) else m
                   for m in messages]
-        parts = _split_marked(fmt(messages=marked).prompt, opens, closes)
+        parts = _split_marked(fmt(messages=marked, **extra).prompt, opens, closes)
         if parts is None or len([p for p in parts if not p[1]]) != len(contents):
             from specquant_cli.errors import InputError
 

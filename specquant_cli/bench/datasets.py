@@ -23,6 +23,8 @@ class Item:
     category: str
     prompt: str
     reference: Optional[str] = None  # final answer (after '#### '), when the item has one
+    # structured output, as OpenAI's request spells it: {"response_format": ...} or {"tools": [...], "tool_choice": ..}
+    form: Optional[dict] = None
 
 
 def final_answer(reference: str) -> Optional[str]:
@@ -63,6 +65,10 @@ def _question_problem(d) -> Optional[str]:
         return "'category' must be a non-empty string"
     if "reference" in d and d["reference"] is not None and not isinstance(d["reference"], list):
         return "'reference' must be a list"
+    if "response_format" in d and not isinstance(d["response_format"], dict):
+        return "'response_format' must be an object (OpenAI's response_format)"
+    if "tools" in d and not isinstance(d["tools"], list):
+        return "'tools' must be a list (OpenAI's function tools)"
     qid = d.get("question_id")
     if qid is not None and (isinstance(qid, bool) or not isinstance(qid, (str, int))):
         return "'question_id' must be a string or an integer"
@@ -87,8 +93,9 @@ def _items(lines: Iterable[str], source: str) -> list[Item]:
         answer = final_answer(ref[0]) if ref and isinstance(ref[0], str) else None
         if answer is not None:
             prompt += ANSWER_HINT
+        form = {k: d[k] for k in ("response_format", "tools", "tool_choice", "parallel_tool_calls") if k in d}
         out.append(Item(f"{Path(source).stem}:{d.get('question_id', n)}", d.get("category", "uncategorized"),
-                        prompt, answer))
+                        prompt, answer, form or None))
     return out
 
 
@@ -101,16 +108,18 @@ def check_lengths(items: Sequence[Item], check: Callable[[str], object]) -> None
             raise InputError(f"{it.id}: {e}") from None
 
 
-def builtin() -> list[Item]:
-    text = resources.files("specquant_cli.bench").joinpath("prompts.jsonl").read_text(encoding="utf-8")
-    return _items(text.splitlines(), "builtin")
+def builtin(name: str = "prompts") -> list[Item]:
+    """A built-in set: "prompts" (chat, code, maths, ...) or "structured" (JSON extraction and tool calls)."""
+    text = resources.files("specquant_cli.bench").joinpath(f"{name}.jsonl").read_text(encoding="utf-8")
+    return _items(text.splitlines(), "builtin" if name == "prompts" else name)
 
 
-def load(files: Sequence[Path], categories: Optional[Sequence[str]] = None, limit: Optional[int] = None) \
-        -> list[Item]:
-    """Items from files (or the built-in set), filtered by category, at most `limit` per category."""
-    items: list[Item] = []
-    if not files:
+def load(files: Sequence[Path], categories: Optional[Sequence[str]] = None, limit: Optional[int] = None,
+         structured: bool = False) -> list[Item]:
+    """Items from files (or the built-in set), filtered by category, at most `limit` per category; `structured`:
+    the built-in structured-output set too (instead of the built-in prompts when no file is given)."""
+    items: list[Item] = builtin("structured") if structured else []
+    if not files and not structured:
         items = builtin()
     for f in files:
         try:

@@ -126,26 +126,36 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def rescore(ctx: Context, prompt: Sequence[int], prefix: Sequence[int]) -> np.ndarray:
-    """The parent's logits after `prompt` + `prefix`, decoded as the `parent` policy decodes (a copy)."""
+def rescore(ctx: Context, prompt: Sequence[int], prefix: Sequence[int], grammar=None) -> np.ndarray:
+    """The parent's logits after `prompt` + `prefix`, decoded as the `parent` policy decodes (a copy); with
+    `grammar` (decoding.grammar.Grammar), those it forbids after `prefix` at -inf, as the constrained parent sees
+    them."""
     last = None
     for row in one_at_a_time(ctx, prompt[:-1], [prompt[-1], *prefix]):
         last = row  # a view; only the final one is kept, and copied before the cache is emptied
     out = np.array(last, dtype=np.float64)
     ctx.reset()
+    if grammar is not None:
+        from specquant_cli.decoding.grammar import Constraint
+
+        c = Constraint(grammar, ctx.model)
+        for t in prefix:
+            c.consume(t)
+        out = c.masked(out)
     return out
 
 
 def classify(ctx: Context, prompt: Sequence[int], parent: Sequence[int], other: Sequence[int],
-             bound: float) -> dict:
+             bound: float, grammar=None) -> dict:
     """Verdict on `other` (a lossless policy's greedy answer) against `parent` (the parent's own): identical,
-    a near-tie the noise `bound` can flip between the parent's top two tokens, or unexplained."""
+    a near-tie the noise `bound` can flip between the parent's top two tokens (of those `grammar` allows), or
+    unexplained."""
     k = first_difference(parent, other)
     if k is None:
         return {"verdict": IDENTICAL}
     ours = parent[k] if k < len(parent) else None
     theirs = other[k] if k < len(other) else None
-    t1, t2, margin = top2(rescore(ctx, prompt, parent[:k]))
+    t1, t2, margin = top2(rescore(ctx, prompt, parent[:k], grammar))
     pair = {ours, theirs} == {t1, t2}
     return {"position": k, "parent_token": ours, "policy_token": theirs, "top1": t1, "top2": t2,
             "margin": round(margin, 6), "single_step_pick": "parent" if t1 == ours else "policy" if t1 == theirs
@@ -217,16 +227,19 @@ def parent_answer(ctx: Context, prompt: Sequence[int], max_tokens: int) -> list[
     return generate_text(Engine(ctx), prompt, max_tokens)[1]
 
 
-def check(ctx: Context, records: Sequence, prompts: dict[str, list[int]], gamma: int, gamma_max: int) -> dict:
+def check(ctx: Context, records: Sequence, prompts: dict[str, list[int]], gamma: int, gamma_max: int,
+          grammars: Optional[dict] = None) -> dict:
     """Measure the noise, then set `fidelity` on every greedy lossless record with a parent answer to compare
-    with (the parent's own records are identical by definition); the report's `fidelity` object."""
+    with (the parent's own records are identical by definition); the report's `fidelity` object. `grammars`: item
+    -> the grammar its answers were held to."""
     noise = measure_noise(ctx, gamma, gamma_max)
     reference = {r.item: r.tokens for r in records if r.policy == "parent"}
     divergences = []
     for r in records:
         if r.lossy or r.identical is None or r.item not in reference:
             continue
-        verdict = classify(ctx, prompts[r.item], reference[r.item], r.tokens, noise.bound)
+        verdict = classify(ctx, prompts[r.item], reference[r.item], r.tokens, noise.bound,
+                           (grammars or {}).get(r.item))
         r.fidelity = verdict["verdict"]
         if r.fidelity != IDENTICAL:
             divergences.append({"item": r.item, "policy": r.policy, **verdict})

@@ -41,6 +41,7 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
         busy = sum(r.prefill_s + r.draft_s + r.verify_s for r in rs) or 1.0
         ident = [r.identical for r in rs if r.identical is not None]
         correct = [r.correct for r in rs if r.correct is not None]
+        valid = [r.valid for r in rs if getattr(r, "valid", None) is not None]
         out.append({
             "policy": p, "prompts": len(rs), "lossy": any(r.lossy for r in rs),
             "tokens_per_s": round(tps, 3), "speedup": round(tps / base, 4) if base else None,
@@ -69,6 +70,10 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
             if new and drafted else None,
             "levels": _levels(rs, drafted, accepted),
             "guard_stops": sum(r.guard_stop is not None for r in rs),
+            # structured output: answers complete and valid for their schema or tools; tokens the grammar forced
+            "valid_rate": round(sum(valid) / len(valid), 4) if valid else None,
+            "forced_share": round(sum(getattr(r, "forced_accepted", 0) for r in rs) / new, 4) if new and valid
+            else None,
         })
     return out
 
@@ -123,7 +128,7 @@ def _fmt(v, pct=False, x=False) -> str:
 
 
 COLUMNS = ("policy", "tok/s", "speedup", "decode speedup", "share of q4", "× F16 parent", "identical",
-           "identical / near-tie / unexplained",
+           "identical / near-tie / unexplained", "valid", "forced",
            "acceptance", "accepted/call", "draft ms/token", "low/med/high", "accuracy", "draft/verify/prefill",
            "peak RSS")
 
@@ -149,6 +154,7 @@ def rows(summary: list[dict]) -> list[list[str]]:
                     _fmt(s["speedup"], x=True), _fmt(s.get("decode_speedup"), x=True), _q4_cell(s),
                     _fmt(s.get("f16_speedup"), x=True),
                     _fmt(s["identical_rate"], pct=True), _fidelity_cell(s.get("fidelity")),
+                    _fmt(s.get("valid_rate"), pct=True), _fmt(s.get("forced_share"), pct=True),
                     _fmt(s["acceptance_rate"], pct=True), _fmt(s["mean_accepted_length"]),
                     _fmt(s.get("draft_ms_per_token")),
                     f"{t['low']:.0%}/{t['medium']:.0%}/{t['high']:.0%}",

@@ -50,6 +50,9 @@ class Record:
     fidelity: Optional[str] = None  # identical / near-tie / unexplained (bench.fidelity); None: not judged
     levels: dict = field(default_factory=dict)  # a second drafting level's counts and time (EngineStats.levels)
     guard_stop: Optional[int] = None  # tokens into the answer when its rate guard stopped drafting
+    valid: Optional[bool] = None  # a structured item's answer is complete and valid for its form (None: no form)
+    forced: int = 0  # tokens its grammar forced, proposed at no draft cost
+    forced_accepted: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,28 +95,50 @@ def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Seque
     if any(policy_spec(p).planner is not None for p in policies):
         runtime.calibration()  # measured (once per machine) before anything is timed
         warm_up(runtime, runtime.load_planner_drafts(), warmup)  # every draft it may pick, before the clock
+    forms = compile_forms(runtime, items)
     records: list[Record] = []
     for item in items:
         parent_tokens = None
         for policy in policies:  # interleaved: machine drift hits every policy alike
-            records.append(_timed_runs(runtime, router, item, policy, sp, max_tokens, repeats, parent_tokens))
+            records.append(_timed_runs(runtime, router, item, policy, sp, max_tokens, repeats, parent_tokens,
+                                       forms.get(item.id)))
             if policy == "parent":
                 parent_tokens = records[-1].tokens
             if progress:
                 progress(records[-1])
         if reference is not None:
             records.append(replace(_timed_runs(reference, router, item, "parent", sp, max_tokens, repeats,
-                                               parent_tokens), policy=REFERENCE))
+                                               parent_tokens, forms.get(item.id)), policy=REFERENCE))
             if progress:
                 progress(records[-1])
     return records
 
 
+def compile_forms(runtime: Runtime, items: Sequence[Item]) -> dict:
+    """item id -> its structured-output form (decoding.forms.Form), for the items that have one; a form that cannot
+    be compiled is an InputError naming its item, before anything is timed."""
+    from specquant_cli.decoding import forms
+    from specquant_cli.errors import InputError
+
+    out = {}
+    for it in items:
+        if it.form:
+            f = it.form
+            try:
+                out[it.id] = forms.read(f.get("response_format"), f.get("tools"), f.get("tool_choice"),
+                                        f.get("parallel_tool_calls"), runtime.tokenizer())
+            except InputError as e:
+                raise InputError(f"{it.id}: {e}") from None
+    return out
+
+
 def _timed_runs(runtime: Runtime, router: Router, item: Item, policy: str, sp: SamplingParams, max_tokens: int,
-                repeats: int, parent_tokens) -> Record:
+                repeats: int, parent_tokens, form=None) -> Record:
     """One policy's record on one item: `repeats` runs, each from empty caches (it pays its own prefill, like a
-    fresh request), the last one's tokens compared with the parent's."""
+    fresh request), the last one's tokens compared with the parent's. `form`: the item's structured output."""
     session = ChatSession(runtime, router, policy, sp, max_tokens)
+    if form is not None:
+        session.grammar, session.tools = form.grammar, form.tools
     runs = []
     for _ in range(max(1, repeats)):
         runtime.reset_caches()
@@ -122,7 +147,11 @@ def _timed_runs(runtime: Runtime, router: Router, item: Item, policy: str, sp: S
     answer, tokens = runs[-1]
     if policy == "parent" and parent_tokens is None:
         parent_tokens = tokens  # the parent's own run is its own reference
-    return _record(item, policy, answer, tokens, runs, parent_tokens, sp)
+    rec = _record(item, policy, answer, tokens, runs, parent_tokens, sp)
+    if form is not None and form.grammar is not None:
+        finished = answer.last is not None and answer.last.finish_reason == "stop"  # not cut by --max-tokens
+        rec.valid = finished and form.grammar.validate(answer.text) is None
+    return rec
 
 
 def _tps(policy: str, answer) -> float:
@@ -150,7 +179,8 @@ def _record(item: Item, policy: str, answer, tokens, runs, parent_tokens, sp) ->
         kv_import_s=s.kv_import_s, kv_import=s.kv_import,
         draft_s=s.draft_s, verify_s=s.verify_s, drafted=s.drafted, accepted=s.accepted, parent_calls=s.parent_calls,
         finish_reason=s.finish_reason, identical=identical, correct=correct, rss_mb=round(_rss_mb(), 1),
-        text=answer.text, tokens=list(tokens), levels=dict(s.levels), guard_stop=s.guard_stop)
+        text=answer.text, tokens=list(tokens), levels=dict(s.levels), guard_stop=s.guard_stop, forced=s.forced,
+        forced_accepted=s.forced_accepted)
 
 
 def judge_fidelity(runtime: Runtime, router: Router, items: Sequence[Item], records: Sequence[Record],
@@ -161,5 +191,8 @@ def judge_fidelity(runtime: Runtime, router: Router, items: Sequence[Item], reco
         return None
     ctx = runtime.pool.context(PARENT_ROLE)
     session = ChatSession(runtime, router, "parent", sp)  # renders a prompt exactly as the timed runs did
-    prompts = {i.id: ctx.model.chat_prompt(session.messages(i.prompt)) for i in items}
-    return fidelity.check(ctx, records, prompts, runtime.costs.gamma, GAMMA_MAX)
+    forms = compile_forms(runtime, items)
+    prompts = {i.id: ctx.model.chat_prompt(session.messages(i.prompt), forms[i.id].tools if i.id in forms else None)
+               for i in items}
+    grammars = {k: f.grammar for k, f in forms.items() if f.grammar is not None}
+    return fidelity.check(ctx, records, prompts, runtime.costs.gamma, GAMMA_MAX, grammars)

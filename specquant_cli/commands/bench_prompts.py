@@ -28,6 +28,9 @@ def register(app: typer.Typer) -> None:
 def prompts(
     dataset: list[Path] = typer.Option([], "--dataset", help="Spec-Bench-format JSONL (repeatable); "
                                                              "default: the built-in prompt set"),
+    structured: bool = typer.Option(False, "--structured", help="The built-in structured-output set too (JSON "
+                                    "extraction with a json_schema or json_object, tool calls): each answer held to "
+                                    "its form; the report adds validity and the share of tokens the grammar forced"),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories"),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most N prompts per category"),
     policies: str = typer.Option(",".join(bench_policies()), "--policies", help="Comma-separated policies"),
@@ -60,7 +63,7 @@ def prompts(
     if plot_out:
         report.check_plot_available()
     cats = split_list(categories, "--categories", "category")
-    items = datasets.load(dataset, cats, limit)
+    items = datasets.load(dataset, cats, limit, structured)
     facts = detect()
     session = open_session(SessionSettings.of(cfg, facts=facts), report=stderr_reporter(), warn_ctx=True)
     runtime, router, fam = session.runtime, session.router, session.runtime.family
@@ -104,6 +107,7 @@ def prompts(
     if reference is not None:
         names = [*names[:1], runner.REFERENCE, *names[1:]]
     summary = report.summarize(records, names)
+    sets = [*(["structured"] if structured else []), *map(str, dataset)] or ["builtin"]
     rep = {
         "command": command_line(),
         "machine": facts.to_dict(),
@@ -112,7 +116,7 @@ def prompts(
                    "parent": {"rendering": fam.parent_rendering, "why": fam.parent_why}},
         "config": {"items": len(items), "policies": names, "max_tokens": max_tokens, "temperature": temperature,
                    "seed": seed, "repeats": repeats, "warmup": warmup, "gamma": cfg.decoding.gamma, "n_ctx": n_ctx,
-                   "datasets": [str(d) for d in dataset] or ["builtin"], "categories": cats, "limit": limit},
+                   "datasets": sets, "categories": cats, "limit": limit},
         "wall_s": round(time.perf_counter() - t0, 1),
         "summary": summary,
         "by_category": report.by_category(records, names),

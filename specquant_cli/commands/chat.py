@@ -38,6 +38,9 @@ def chat(
     each_line: bool = typer.Option(False, "--each-line", help="Each non-empty input line is its own prompt"),
     stats: bool = typer.Option(False, "--stats", help="Print generation stats to stderr"),
     interactive: bool = typer.Option(False, "--interactive", "-i", help="Interactive even when stdin is piped"),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE",
+                                              help="Every answer is JSON valid for this JSON Schema (constrained "
+                                                   "decoding; the tokens it forces are free drafts)"),
     *, cfg: Settings,
 ) -> None:
     from specquant_cli.decoding.sampling import SamplingParams
@@ -56,6 +59,10 @@ def chat(
                            report=stderr_reporter(), warn_ctx=True)
     runtime = session.runtime
     try:
+        if json_schema is not None:
+            from specquant_cli.decoding.grammar import schema_file
+
+            session.grammar = schema_file(check_text(json_schema, "--json-schema"), runtime.tokenizer())
         if is_interactive:
             _interactive(session, stats)
         else:
@@ -101,6 +108,16 @@ def _one(session, text: str, json_out: bool, stats: bool) -> None:
         err.print(_stats_line(answer), markup=False)
     if answer.last is not None and answer.last.finish_reason == "interrupted":
         raise KeyboardInterrupt  # Ctrl-C stops the whole batch (exit 130), not just this answer
+    _check_complete(session, answer)
+
+
+def _check_complete(session, answer) -> None:
+    """An answer held to a schema that ran out of --max-tokens is not JSON: said, and the exit is 1."""
+    if session.grammar is not None and answer.last is not None and answer.last.finish_reason == "length":
+        from specquant_cli.errors import InputError
+
+        raise InputError(f"the answer reached --max-tokens {session.max_tokens} before its JSON was complete; "
+                         "raise --max-tokens")
 
 
 def _interactive(session, stats: bool) -> None:

@@ -12,19 +12,30 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from specquant_cli.decoding.gamma import FixedGamma
-from specquant_cli.decoding.protocols import CycleOutcome, Draft, Drafter, GammaPolicy, TokenContext, Verifier
+from specquant_cli.decoding.protocols import (
+    Constraint,
+    CycleOutcome,
+    Draft,
+    Drafter,
+    GammaPolicy,
+    TokenContext,
+    Verifier,
+)
 from specquant_cli.decoding.sampling import GREEDY, SamplingParams
-from specquant_cli.decoding.verify import LinearVerifier
+from specquant_cli.decoding.verify import LinearVerifier, TokenLogprob
 from specquant_cli.errors import InputError
 from specquant_cli.names import Source
 from specquant_cli.settings import DEFAULT_GAMMA
+
+MAX_SEGMENTS = 3  # drafter runs in one cycle under a grammar (each one model call or more)
 
 
 @dataclass
 class TokenEvent:
     token: int
-    source: Source = "parent"  # "draft" / "suffix": proposed by that kind of drafter and accepted; else the parent's
+    source: Source = "parent"  # "draft" / "suffix": proposed by that kind of drafter and accepted; "grammar": forced
     eog: bool = False
+    logprob: Optional[TokenLogprob] = None  # the parent's, when the engine was asked for them
 
     @property
     def from_draft(self) -> bool:
@@ -50,23 +61,35 @@ class EngineStats:
     # and acceptances, the draft model's calls and seconds
     levels: dict = field(default_factory=dict)
     guard_stop: Optional[int] = None  # tokens into the answer when a rate guard stopped drafting
+    forced: int = 0  # tokens a grammar forced, proposed at no draft cost (jump-forward)
+    forced_accepted: int = 0  # of those, the parent's own picks
 
 
 class Engine:
     def __init__(self, parent: TokenContext, drafter: Optional[Drafter] = None,
                  gamma: Optional[GammaPolicy] = None, sampling: SamplingParams = GREEDY,
-                 verifier: Optional[Verifier] = None, first_alone: bool = False):
+                 verifier: Optional[Verifier] = None, first_alone: bool = False,
+                 constraint: Optional[Constraint] = None, jump_forward: bool = False,
+                 top_logprobs: Optional[int] = None):
         """`first_alone`: the first token comes from the parent's own step, right after its prefill; the drafter
         prepares (its prefill or KV import) and drafts from the second token on. The time to the first token is
         then the parent's prefill and one step, not also the drafter's preparation and a draft; it costs one
-        cycle's accepted drafts once per answer."""
+        cycle's accepted drafts once per answer.
+
+        `constraint`: the answer's grammar (decoding.grammar.Constraint, one per answer): the parent picks among the
+        tokens it allows and every draft is cut at its first token it forbids. `jump_forward`: the tokens the
+        grammar forces are proposed before the drafter's, at no draft cost (a policy that speculates; the parent
+        alone decodes them one by one). `top_logprobs`: record the parent's log-probabilities (TokenEvent.logprob)
+        with that many alternatives."""
         self.parent = parent
         self.first_alone = first_alone
         self.drafter = drafter
         self.gamma_policy = gamma if gamma is not None else FixedGamma(DEFAULT_GAMMA if drafter else 0)
         self.sp = sampling
         self.noise = sampling.noise()
-        self.verifier = verifier or LinearVerifier(sampling, self.noise)
+        self.constraint = constraint
+        self.jump_forward = jump_forward and constraint is not None
+        self.verifier = verifier or LinearVerifier(sampling, self.noise, constraint, top_logprobs)
         self.stats = EngineStats()
         self.eog_ids = parent.model.eog_ids
 
@@ -103,21 +126,39 @@ class Engine:
                 alone = False
             room = max_tokens - st.new_tokens - 1  # the cycle's own token always fits
             g = min(self.gamma_policy.draft_length(), room) if self.drafter and not alone else 0
-            draft, draft_s, source = self._draft(seq, g)
+            draft, kinds, draft_s = self._draft(seq, g, room)
             outcome = self._verify(seq, draft, draft_s)
-            if not alone:  # the first token's step is no drafting cycle: neither γ nor the drafter learn from it
-                self.gamma_policy.update(outcome)
+            own = self._drafters_part(kinds, outcome)
+            if not alone and own is not None:  # the drafter's tokens were judged: it and γ learn from them
+                self.gamma_policy.update(own)
+                if self.drafter is not None:
+                    self.drafter.feedback(seq, own)
             if self.drafter is not None and not alone:
-                self.drafter.feedback(seq, outcome)
                 st.levels = {k: v - base.get(k, 0) for k, v in self.drafter.counters.items()}
                 st.guard_stop = getattr(self.gamma_policy, "tripped_at", None)
+            logprobs = getattr(self.verifier, "logprobs", None) or []
             for i, tok in enumerate(draft.tokens[:outcome.accepted] + [outcome.next_token]):
                 seq.append(tok)
                 st.new_tokens += 1
                 eog = tok in self.eog_ids
-                yield TokenEvent(tok, source if i < outcome.accepted else "parent", eog)
+                yield TokenEvent(tok, kinds[i] if i < outcome.accepted else "parent", eog,
+                                 logprobs[i] if i < len(logprobs) else None)
                 if eog:
                     return
+
+    def _drafters_part(self, kinds: list[Source], outcome: CycleOutcome) -> Optional[CycleOutcome]:
+        """The cycle as the drafter and γ see it: its own tokens proposed and accepted, forced tokens left out (and
+        counted in the stats); None when the parent parted from the draft at a forced token (the drafter's
+        tokens after it were never judged)."""
+        st, k = self.stats, outcome.accepted
+        forced = [kind == "grammar" for kind in kinds]
+        st.forced += sum(forced)
+        st.forced_accepted += sum(forced[:k])
+        st.accepted -= sum(forced[:k])
+        if k < len(kinds) and forced[k]:
+            return None
+        return CycleOutcome(len(kinds) - sum(forced), k - sum(forced[:k]), outcome.next_token, outcome.draft_s,
+                            outcome.verify_s, outcome.scored)
 
     def _prefill(self, seq: list[int], prepare: bool = True) -> None:
         st = self.stats
@@ -138,9 +179,38 @@ class Engine:
             st.draft_prefill_s, st.kv_import_s, st.kv_import = rep.prefill_s, rep.import_s, rep.imported
         st.prefill_s += time.perf_counter() - t0
 
-    def _draft(self, seq: list[int], g: int) -> tuple[Draft, float, Source]:
+    def _draft(self, seq: list[int], g: int, room: int) -> tuple[Draft, list[Source], float]:
+        """(draft, each token's source, drafting seconds): up to `g` tokens of the drafter's; under a grammar, cut at
+        the first token it forbids, and with jump-forward the tokens it forces proposed too (before, between and
+        after the drafter's runs: a run cut by the grammar, or followed by forced tokens, is drafted on from there,
+        at most MAX_SEGMENTS runs a cycle)."""
+        if self.constraint is None:
+            draft, dt, source = self._propose(seq, g)
+            return draft, [source] * len(draft.tokens), dt
+        walk = self.constraint.fork()
+        tokens: list[int] = []
+        kinds: list[Source] = []
+        spent, own, runs = 0.0, 0, 0
+        while True:
+            forced = walk.forced(room - len(tokens)) if self.jump_forward else []
+            walk.advance(forced)
+            tokens += forced
+            kinds += ["grammar"] * len(forced)
+            left = min(g - own, room - len(tokens))
+            if left <= 0 or runs == MAX_SEGMENTS or (runs and not forced):
+                break
+            draft, dt, source = self._propose(seq + tokens if tokens else seq, left)
+            spent, runs = spent + dt, runs + 1
+            ok = draft.tokens[:walk.valid_prefix(draft.tokens)]
+            walk.advance(ok)
+            tokens += ok
+            kinds += [source] * len(ok)
+            own += len(ok)
+        return Draft(tokens), kinds, spent
+
+    def _propose(self, seq: list[int], g: int) -> tuple[Draft, float, Source]:
         """(draft, seconds, source): the source is asked right away, as a mixed drafter's changes per draft."""
-        if g <= 0:
+        if g <= 0 or self.drafter is None:
             return Draft(), 0.0, "parent"
         t0 = time.perf_counter()
         draft = self.drafter.propose(seq, g, self.sp, self.noise)

@@ -127,6 +127,26 @@ class Level(Protocol):
     def counters(self) -> dict[str, float]: ...
 
 
+class Constraint(Protocol):
+    """One answer's place in a grammar (decoding.grammar.Constraint): the parent's token at each position is chosen
+    from `masked` logits and then `consume`d; a draft is cut after its `valid_prefix`; `forced` are the tokens
+    the grammar allows alone from here (proposed at no draft cost)."""
+
+    def masked(self, row: np.ndarray) -> np.ndarray: ...
+
+    def consume(self, token: int) -> None: ...
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int: ...
+
+    def forced(self, limit: int) -> list[int]: ...
+
+    def fork(self) -> Constraint:
+        """A copy at this place (to walk a draft with)."""
+        ...
+
+    def advance(self, tokens: Sequence[int]) -> None: ...
+
+
 class Verifier(Protocol):
     """Scores seq[-1] + draft in one parent call and decides what is kept. Afterwards the parent's cache
     holds seq[:-1] + seq[-1] + the accepted draft tokens (the next token is not yet decoded)."""

@@ -135,16 +135,15 @@ def sample_margin(p: np.ndarray, g: np.ndarray) -> tuple[int, float]:
     return int(a), float(s[a] - s[b])
 
 
-def greedy_verify(parent_argmax, draft: Sequence[int]) -> tuple[int, int]:
-    """(accepted count, next token): longest prefix where the parent's argmax equals the draft, then the
-    parent's own token at the first mismatch, or its bonus token after a full accept.
-
-    `parent_argmax(j)` is the parent's argmax after the first j drafted tokens."""
+def walk(pick, draft: Sequence[int]) -> tuple[int, int]:
+    """(accepted count, next token): `pick(j)` is the parent's token after the first j drafted tokens (its argmax,
+    or its sample), asked once per position in order; drafted tokens are kept while they are its picks, and its
+    pick at the first mismatch (or after a full accept) is the next token."""
     for j, d in enumerate(draft):
-        t = parent_argmax(j)
+        t = pick(j)
         if t != d:
             return j, t
-    return len(draft), parent_argmax(len(draft))
+    return len(draft), pick(len(draft))
 
 
 def coupled_verify(p_rows, draft: Sequence[int], noise) -> tuple[int, int]:
@@ -153,10 +152,9 @@ def coupled_verify(p_rows, draft: Sequence[int], noise) -> tuple[int, int]:
     while it is the parent's sample, and the first sample that differs (or the one after a full accept) is the
     next token. The tokens are the parent's samples whatever was drafted: exactly its distribution, and its
     answer."""
-    for j, d in enumerate(draft):
+
+    def pick(j: int) -> int:
         p = p_rows(j)
-        t = sample(p, noise(j, p.shape[0]))
-        if t != d:
-            return j, t
-    p = p_rows(len(draft))
-    return len(draft), sample(p, noise(len(draft), p.shape[0]))
+        return sample(p, noise(j, p.shape[0]))
+
+    return walk(pick, draft)

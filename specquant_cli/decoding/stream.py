@@ -19,7 +19,7 @@ STAT_FIELDS = ("prompt_tokens", "prefill_tokens", "new_tokens", "drafted", "acce
                "mean_accepted_length", "parent_calls", "prefill_s", "parent_prefill_s", "draft_prefill_s",
                "kv_import_s", "kv_import",
                "draft_s", "verify_s", "total_s", "tokens_per_s", "decode_tokens_per_s", "finish_reason", "levels",
-               "guard_stop")
+               "guard_stop", "forced", "forced_accepted")
 
 
 Span = tuple[str, Source]  # (text, where it came from)
@@ -52,6 +52,9 @@ class Response:
     spans: list[Span] = field(default_factory=list)  # `text` piece by piece, with each piece's source
     levels: dict = field(default_factory=dict)  # the drafter's counters over the answer (EngineStats.levels)
     guard_stop: Optional[int] = None  # tokens into the answer when its rate guard stopped drafting
+    forced: int = 0  # tokens a grammar forced, proposed at no draft cost
+    forced_accepted: int = 0  # of those, the parent's own picks
+    logprobs: list = field(default_factory=list)  # the parent's TokenLogprob of this record's token, when asked
 
     def stats(self) -> dict:
         d = asdict(self)
@@ -59,7 +62,7 @@ class Response:
 
 
 def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finish=None,
-            spans: Sequence[Span] = ()) -> Response:
+            spans: Sequence[Span] = (), logprob=None) -> Response:
     s = engine.stats
     total = time.perf_counter() - t0
     decode = total - s.parent_prefill_s
@@ -72,7 +75,8 @@ def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finis
         draft_prefill_s=s.draft_prefill_s, kv_import_s=s.kv_import_s, kv_import=s.kv_import, draft_s=s.draft_s,
         verify_s=s.verify_s, total_s=total, tokens_per_s=s.new_tokens / total if total > 0 else 0.0,
         decode_tokens_per_s=s.new_tokens / decode if decode > 0 else 0.0, finish_reason=finish, spans=list(spans),
-        levels=dict(s.levels), guard_stop=s.guard_stop)
+        levels=dict(s.levels), guard_stop=s.guard_stop, forced=s.forced, forced_accepted=s.forced_accepted,
+        logprobs=[logprob] if logprob is not None else [])
 
 
 def _split(spans: Sequence[Span], n: int) -> tuple[list[Span], list[Span]]:
@@ -120,12 +124,13 @@ def stream_generate(engine: Engine, prompt: Sequence[int], max_tokens: int,
             spans += [(piece, source)] if piece else []
             hit = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
             if hit >= 0:
-                yield _record(engine, t0, pending[:hit], ev.token, ev.from_draft, spans=_split(spans, hit)[0])
+                yield _record(engine, t0, pending[:hit], ev.token, ev.from_draft, spans=_split(spans, hit)[0],
+                              logprob=ev.logprob)
                 pending, spans, finish = "", [], "stop"
                 break
             n = len(pending) - _held_back(pending, stops)
             (emit, pending), (head, spans) = (pending[:n], pending[n:]), _split(spans, n)
-            yield _record(engine, t0, emit, ev.token, ev.from_draft, spans=head)
+            yield _record(engine, t0, emit, ev.token, ev.from_draft, spans=head, logprob=ev.logprob)
         tail = detok.flush() if finish != "stop" else ""
         pending += tail
         spans += [(tail, source)] if tail else []

@@ -96,7 +96,8 @@ class Runtime:
                 done.append(r)
         return done
 
-    def engine(self, plan: Plan, sp: SamplingParams, position: int = 0, scope: str = "") -> Engine:
+    def engine(self, plan: Plan, sp: SamplingParams, position: int = 0, scope: str = "", grammar=None,
+               top_logprobs: Optional[int] = None) -> Engine:
         """An engine for `plan`: loads the plan's roles (placement-checked), builds its drafter (scoped to the
         plan's policy) and γ policy. A planned answer (a policy with a planner) drafts under a rate guard: it
         goes on with the parent alone once its drafting runs below the parent's rate (decoding.gamma.RateGuard).
@@ -106,14 +107,25 @@ class Runtime:
             sp: sampling parameters; greedy when temperature is 0.
             position: the prompt's length (where the answer starts in the context).
             scope: the request's scope (a server's tenant and cache_salt; "" alone): the part of the drafting memory
-                the drafter reads and writes."""
+                the drafter reads and writes.
+            grammar: what the answer must be (decoding.grammar.Grammar), or None. A policy that speculates (a
+                drafter, or a planner) proposes the tokens it forces at no draft cost; a model alone does not.
+            top_logprobs: record the parent's log-probabilities with that many alternatives (None: none)."""
         self.pool.ensure(plan.roles)
         drafter = self.drafters.drafter(plan.drafter, plan.target, plan.policy, scope) if plan.drafter else None
         gamma = self.costs.gamma_policy(plan) if drafter else FixedGamma(0)
         step = self.costs.parent_step_s() if drafter and policy_spec(plan.policy).planner is not None else None
         if step is not None:
             gamma = RateGuard(gamma, step, position)
-        return Engine(self.pool.context(plan.target), drafter, gamma, sp, first_alone=True)
+        target = self.pool.context(plan.target)
+        constraint = None
+        if grammar is not None:
+            from specquant_cli.decoding.grammar import Constraint
+
+            constraint = Constraint(grammar, target.model)
+        speculates = plan.drafter is not None or policy_spec(plan.policy).planner is not None
+        return Engine(target, drafter, gamma, sp, first_alone=True, constraint=constraint,
+                      jump_forward=speculates, top_logprobs=top_logprobs)
 
     def reset_caches(self) -> None:
         """Empty every KV cache (the bench's fresh-request state). Persistent drafters keep their memory."""

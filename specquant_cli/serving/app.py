@@ -42,6 +42,7 @@ from specquant_cli.serving.schemas import (
 )
 from specquant_cli.serving.security import OriginPolicy, is_json
 from specquant_cli.serving.service import Service, stderr_line
+from specquant_cli.serving.structured import logprobs_content
 from specquant_cli.serving.worker import Job, disconnected
 
 POLICY_HEADER = "x-specquant-policy"
@@ -151,14 +152,16 @@ async def _generate(svc: Service, request: Request, obs: Observation, chat: bool
             raise payload
         if params.stream:
             watcher.cancel()  # from here Starlette's own listener cancels the stream on a disconnect
-            maker = ChunkMaker(chat, svc.family.name, params.include_usage)
+            maker = ChunkMaker(chat, svc.family.name, params.include_usage, params.tool_calls, _lp(svc, params))
             return StreamingResponse(_sse(svc, job, maker, answer, payload, notes, obs),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, rec = await _collect(job, answer, payload, notes, obs)
-        build = chat_response if chat else completion_response
-        response = JSONResponse(build(new_id("chatcmpl" if chat else "cmpl"), now(), svc.family.name, text,
-                                      answer, rec))
+        lps: list = []
+        text, rec = await _collect(job, answer, payload, notes, obs, lps)
+        rid, name = new_id("chatcmpl" if chat else "cmpl"), svc.family.name
+        lp = _lp(svc, params)
+        response = JSONResponse(chat_response(rid, now(), name, text, answer, rec, params, lp(lps) if lp else None)
+                                if chat else completion_response(rid, now(), name, text, answer, rec))
         obs.end("served")
         return response
     except BaseException as e:
@@ -177,7 +180,10 @@ async def _admit(svc: Service, request: Request, obs: Observation, chat: bool) -
         def resolve(p: Optional[str]) -> str:
             return svc.policy_for(p or header_policy, "specquant_policy" if p else POLICY_HEADER)
 
-        params = (chat_params if chat else completion_params)(body, resolve)
+        if chat:  # a grammar compiles off the event loop (a large schema takes a while)
+            params = await asyncio.to_thread(chat_params, body, resolve, svc.runtime.tokenizer())
+        else:
+            params = completion_params(body, resolve)
         params = replace(params, scope=svc.scope_of(_notes(request).get("tenant") or "", params.salt))
         job = Job(params, asyncio.get_running_loop())
         svc.worker.submit(job)
@@ -193,11 +199,23 @@ def _end(svc: Service, job: Job, obs: Observation) -> None:
     obs.end("cancelled")  # unless the request was observed to an end already
 
 
-async def _collect(job: Job, answer, rec, notes: dict, obs: Observation) -> tuple[str, Any]:
-    """The whole text of a plain (not streamed) answer from its first record `rec` on, and its last record."""
+def _lp(svc: Service, params: GenerationParams) -> Optional[Callable[[list], list]]:
+    """How the parent's TokenLogprob entries become `logprobs.content` (None: the request did not ask)."""
+    if params.top_logprobs is None:
+        return None
+    model = svc.runtime.tokenizer()
+    return lambda entries: logprobs_content(model, entries)
+
+
+async def _collect(job: Job, answer, rec, notes: dict, obs: Observation, lps: Optional[list] = None
+                   ) -> tuple[str, Any]:
+    """The whole text of a plain (not streamed) answer from its first record `rec` on, and its last record;
+    `lps` gathers the records' log-probabilities."""
     parts = []
     while True:
         parts.append(rec.text)
+        if lps is not None:
+            lps += rec.logprobs
         notes["gen"] = (answer, rec)
         obs.record(answer, rec)
         if rec.finish_reason is not None:
@@ -245,10 +263,12 @@ async def _sse(svc: Service, job: Job, maker: ChunkMaker, answer, first, notes: 
             rec = payload
             notes["gen"] = (answer, rec)
             obs.record(answer, rec)
-            if rec.text:
-                yield _event(maker.text(answer, rec))
+            chunk = maker.text(answer, rec) if rec.text else None
+            if chunk is not None:
+                yield _event(chunk)
             if rec.finish_reason is not None:
-                yield _event(maker.finish(answer, rec))
+                for chunk in maker.finish(answer, rec):
+                    yield _event(chunk)
                 if maker.include_usage:
                     yield _event(maker.usage(rec))
                 yield "data: [DONE]\n\n"

@@ -1,8 +1,9 @@
 """The OpenAI wire format: request models with the refusals named, and the response/chunk builders.
 
 Requests are validated here into `GenerationParams`, the only thing the worker sees. What specquant cannot
-honour (n > 1, tools, images, logprobs, penalties, ...) is refused with a 400 naming the field rather than
-silently ignored; fields that change nothing about the output (user, metadata, store, ...) are accepted.
+honour (n > 1, images, penalties, logit_bias, ...) is refused with a 400 naming the field rather than
+silently ignored; structured output (response_format, tools, logprobs) is read by serving.structured; fields
+that change nothing about the output (user, metadata, store, ...) are accepted.
 The fields specquant reads are strict: no coercion ("4" is not 4, true is not 1), no NaN, bounded integers,
 and every string that reaches the model is valid Unicode (JSON can carry a lone surrogate, UTF-8 cannot)."""
 
@@ -23,7 +24,8 @@ MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_INT = 2**31 - 1  # the largest token count (or top_k) a request may ask for; the context refuses far less
 MAX_SEED = 2**64 - 1  # as the CLI's --seed
 MAX_SALT = 256  # characters of a cache_salt
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # -> the template's
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}  # -> the template's
 
 
 class ApiError(Exception):
@@ -88,7 +90,8 @@ class ContentPart(_Lenient):
 
 class Message(_Lenient):
     role: str
-    content: Union[NonEmptyText, Annotated[list[ContentPart], Field(min_length=1)]]
+    # null only beside an assistant's tool_calls (serving.structured.history says so otherwise)
+    content: Union[NonEmptyText, Annotated[list[ContentPart], Field(min_length=1)], None]
 
 
 class _Common(_Lenient):
@@ -144,6 +147,10 @@ class GenerationParams:
     stream: bool = False
     include_usage: bool = False
     salt: Optional[str] = None  # the body's cache_salt
+    grammar: Any = None  # decoding.grammar.Grammar: what the answer must be (response_format, tools)
+    tools: Optional[list[dict]] = None  # the function tools the chat template describes
+    tool_calls: bool = False  # the answer is read for tool calls (finish_reason "tool_calls")
+    top_logprobs: Optional[int] = None  # logprobs asked, with that many alternatives
     scope: str = ""  # what the request may share with others (its tenant and salt: Service.scope_of), set on admission
 
 
@@ -220,45 +227,56 @@ def _text_content(content: Union[str, list[ContentPart]], i: int) -> str:
 
 
 def _messages(msgs: list[Message]) -> list[dict]:
+    from specquant_cli.serving.structured import history
+
     out = []
     for i, m in enumerate(msgs):
         role = ROLES.get(m.role)
-        if m.role in ("tool", "function"):
-            raise _unsupported(f"messages[{i}].role", f"role {m.role!r} (system, developer, user, assistant)")
+        if m.role == "function":
+            raise _unsupported(f"messages[{i}].role", "role 'function' (the tool role replaced it)")
         if role is None:
             raise ApiError(400, f"unknown role {m.role!r}: one of {', '.join(ROLES)}", param=f"messages[{i}].role",
                            code="invalid_value")
-        extra = m.model_extra or {}
-        for name in ("tool_calls", "function_call"):
-            if extra.get(name):
-                raise _unsupported(f"messages[{i}].{name}")
-        out.append({"role": role, "content": _text_content(m.content, i)})
+        if (m.model_extra or {}).get("function_call"):
+            raise _unsupported(f"messages[{i}].function_call", "use tool_calls")
+        out.append(history(i, m, role, None if m.content is None else _text_content(m.content, i)))
     if not any(m["role"] == "user" for m in out):
         raise ApiError(400, "messages must contain at least one user message", param="messages",
                        code="invalid_value")
     return out
 
 
-def chat_params(body: Any, resolve_policy: Callable[[Optional[str]], str]) -> GenerationParams:
+def chat_params(body: Any, resolve_policy: Callable[[Optional[str]], str], model=None) -> GenerationParams:
     """Validate a /v1/chat/completions body. `resolve_policy` maps the body's `specquant_policy` (or None) to
-    the policy to run, raising ApiError for one the server does not offer."""
+    the policy to run, raising ApiError for one the server does not offer. `model`: the vocabulary a grammar
+    (response_format, tools) is compiled for."""
+    from specquant_cli.decoding.forms import FormError
+
+    try:
+        return _chat_params(body, resolve_policy, model)
+    except FormError as e:
+        raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
+
+
+def _chat_params(body: Any, resolve_policy: Callable[[Optional[str]], str], model) -> GenerationParams:
+    from specquant_cli.serving.structured import Structure, structure
+
     req: ChatRequest = _validate(ChatRequest, body)
     _refuse_common(req)
-    for name in ("tools", "functions"):
-        if getattr(req, name):
-            raise _unsupported(name, "tool calling")
-    for name in ("tool_choice", "function_call"):
-        if getattr(req, name) not in (None, "none"):
-            raise _unsupported(name, "tool calling")
-    if req.logprobs or req.top_logprobs:
-        raise _unsupported("logprobs" if req.logprobs else "top_logprobs")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise _unsupported("response_format", "only {\"type\": \"text\"}")
+    for name in ("functions", "function_call"):
+        if getattr(req, name) is not None:
+            raise _unsupported(name, "the deprecated form: use tools and tool_choice")
+    wants = req.tools is not None or req.tool_choice is not None or req.logprobs or req.top_logprobs is not None \
+        or (req.response_format or {}).get("type", "text") != "text"
+    form = structure(req, model) if wants and model is not None else Structure()
+    if wants and model is None:
+        raise _unsupported("response_format" if req.response_format else "tools", "no model to compile it for")
     return GenerationParams(policy=resolve_policy(req.specquant_policy), sampling=_sampling(req),
                             max_tokens=req.max_completion_tokens or req.max_tokens, stop=_stops(req.stop),
                             messages=_messages(req.messages), stream=bool(req.stream),
                             include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                            salt=req.cache_salt)
+                            salt=req.cache_salt, grammar=form.grammar, tools=form.tools, tool_calls=form.calls,
+                            top_logprobs=form.top_logprobs)
 
 
 def completion_params(body: Any, resolve_policy: Callable[[Optional[str]], str]) -> GenerationParams:
@@ -344,10 +362,17 @@ def specquant_info(answer, last) -> dict:
             "total_s": round(last.total_s, 4)}
 
 
-def chat_response(rid: str, created: int, model: str, text: str, answer, last) -> dict:
+def chat_response(rid: str, created: int, model: str, text: str, answer, last, params=None,
+                  logprobs: Optional[list] = None) -> dict:
+    """A whole chat answer; with `params` asking for tool calls, its calls (serving.structured.message); `logprobs`:
+    its `logprobs.content` entries when asked."""
+    from specquant_cli.serving.structured import message
+
+    msg, finish = message(text, finish_reason(last), bool(params and params.tool_calls))
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": None, "finish_reason": finish_reason(last)}],
+            "choices": [{"index": 0, "message": msg,
+                         "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
+                         "finish_reason": finish}],
             "usage": usage(last), "specquant": specquant_info(answer, last)}
 
 
@@ -358,14 +383,23 @@ def completion_response(rid: str, created: int, model: str, text: str, answer, l
 
 
 class ChunkMaker:
-    """The chunks of one streamed answer, chat or completion, sharing id, created and model."""
+    """The chunks of one streamed answer, chat or completion, sharing id, created and model. A chat answer read for
+    tool calls (`calls`) streams its text until it opens a call, and then each call whole as a `tool_calls` delta
+    (toolcalls.ToolStream); `lp`: a function from the parent's TokenLogprob entries to `logprobs.content` (None:
+    not asked)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool):
+    def __init__(self, chat: bool, model: str, include_usage: bool, calls: bool = False,
+                 lp: Optional[Callable[[list], list]] = None):
+        from specquant_cli.toolcalls import ToolStream
+
         self.chat = chat
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = now()
         self.model = model
         self.include_usage = include_usage
+        self.tools = ToolStream() if calls and chat else None
+        self.lp = lp
+        self._lps: list = []  # entries not yet sent (their text held back)
         self._planned = False  # a chunk carried the plan
 
     def _chunk(self, choices: list, **extra) -> dict:
@@ -376,12 +410,21 @@ class ChunkMaker:
         d.update(extra)
         return d
 
-    def _choice(self, text: Optional[str], finish: Optional[str], role: bool = False) -> dict:
+    def _logprobs(self) -> Optional[dict]:
+        if self.lp is None:
+            return None
+        entries, self._lps = self._lps, []
+        return {"content": self.lp(entries), "refusal": None}
+
+    def _choice(self, text: Optional[str], finish: Optional[str], role: bool = False, calls=None) -> dict:
         if self.chat:
-            delta = {} if text is None else {"content": text}
+            delta = {} if not text and (text is None or calls) else {"content": text}
+            if calls:
+                delta["tool_calls"] = calls
             if role:
                 delta = {"role": "assistant", **delta}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "logprobs": None if role else self._logprobs(),
+                    "finish_reason": finish}
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
     def first(self, answer) -> Optional[dict]:
@@ -391,17 +434,39 @@ class ChunkMaker:
         self._planned = True
         return self._chunk([self._choice("", None, role=True)], specquant=plan_info(answer))
 
-    def text(self, answer, rec) -> dict:
-        """A piece of text, with its spans and the running figures (and the plan, if no chunk had it yet)."""
+    def text(self, answer, rec) -> Optional[dict]:
+        """A piece of text, with its spans and the running figures (and the plan, if no chunk had it yet); None
+        while nothing can go out (text that may still open a tool call)."""
+        from specquant_cli.serving.structured import tool_call
+
+        self._lps += rec.logprobs
+        text, calls = rec.text, None
+        if self.tools is not None:
+            items = self.tools.feed(rec.text)
+            text = "".join(x for kind, x in items if kind == "text")
+            n = self.tools.calls - sum(kind == "call" for kind, _ in items)
+            calls = [tool_call(n + i, c) for i, c in enumerate(x for kind, x in items if kind == "call")] or None
+        if not text and not calls:
+            return None
         info = {"spans": spans_info(rec), **running_info(rec)}
         if not self._planned:
             self._planned = True
             info.update(plan_info(answer))
-        return self._chunk([self._choice(rec.text, None)], specquant=info)
+        return self._chunk([self._choice(text, None, calls=calls)], specquant=info)
 
-    def finish(self, answer, last) -> dict:
-        return self._chunk([self._choice(None if self.chat else "", finish_reason(last))],
-                           specquant=specquant_info(answer, last))
+    def finish(self, answer, last) -> list[dict]:
+        """The chunks that end the stream: text held back that never opened a call, then the finish reason."""
+        out = []
+        finish = finish_reason(last)
+        if self.tools is not None:
+            rest = self.tools.rest()
+            if rest or self._lps:
+                out.append(self._chunk([self._choice(rest, None)]))
+            if self.tools.calls and finish == "stop":
+                finish = "tool_calls"
+        out.append(self._chunk([self._choice(None if self.chat else "", finish)],
+                               specquant=specquant_info(answer, last)))
+        return out
 
     def usage(self, last) -> dict:
         d = self._chunk([])

@@ -50,6 +50,9 @@ class Service:
         self.worker = EngineWorker(self.generate, opts.max_queue, parallel=len(self.sessions), choose=self.slot_for)
         if slots is not None:
             slots.in_flight = self.worker.in_flight
+        from specquant_cli.decoding.grammar import tokenizer_for
+
+        tokenizer_for(runtime.tokenizer())  # the grammar engine's view of the vocabulary (~1 s), before serving
         self.parent_tokens_per_s = parent_rate(runtime)  # read once: the runtime belongs to the worker thread
         self.created = created_at(family)  # read once: the folder may change (or go) while serving
         # What each loaded model's KV cache was sized for: positions for every sequence that runs, and sequences.
@@ -130,7 +133,7 @@ class Service:
     def prompt_tokens(self, params: GenerationParams) -> list[int]:
         model = self.runtime.tokenizer()
         if params.messages is not None:
-            return model.chat_prompt(params.messages)
+            return model.chat_prompt(params.messages, params.tools)
         return model.tokenize(params.prompt, add_bos=model.add_bos())
 
     def policy_for(self, requested: Optional[str], param: str) -> str:
@@ -161,7 +164,8 @@ class Service:
             limit = max(1, min(self.max_tokens, self.runtime.pool.n_ctx - n_prompt))
         answer, records = session.ask_messages(params.messages or [], policy=params.policy,
                                                sampling=params.sampling, max_tokens=limit, stop=params.stop,
-                                               raw_prompt=params.prompt, scope=params.scope)
+                                               raw_prompt=params.prompt, scope=params.scope, grammar=params.grammar,
+                                               tools=params.tools, top_logprobs=params.top_logprobs)
         return answer, records if self.slots is None else self.slots.member(records)
 
 
