@@ -77,9 +77,10 @@ class ToolStream:
         return items
 
     def rest(self) -> str:
-        """What was held back and never became a call (an answer cut short): it goes out as text."""
+        """What was held back and never became a call (an answer cut short): it goes out as text; the whitespace
+        after the last call does not."""
         out, self.buf = self.buf, ""
-        return out
+        return "" if self.mode == "calls" and not out.strip() else out
 
 
 def render_messages(messages: list[dict], tools: Optional[list[dict]]) -> list[dict]:

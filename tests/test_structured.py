@@ -343,3 +343,104 @@ def test_tool_stream_and_history_rendering():
     assert msgs[0]["role"] == "system" and "get_weather" in msgs[0]["content"]
     assert msgs[2]["content"] == '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
     assert msgs[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
+
+
+# -- the command line and the bench -------------------------------------------------------------------------------
+
+CAPITAL = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+           "required": ["country", "capital"], "additionalProperties": False}
+
+
+@pytest.mark.slow
+def test_chat_json_schema_prints_only_valid_json_from_argument_and_pipe(family_dir, tmp_path):
+    from conftest import run_cli
+
+    schema = tmp_path / "capital.json"
+    schema.write_text(json.dumps(CAPITAL))
+    args = ["chat", "--family", str(family_dir), "--json-schema", str(schema), "--max-tokens", "48"]
+    one = run_cli([*args, "What is the capital of France?"])
+    assert one.exit_code == 0, one.stderr
+    jsonschema.validate(json.loads(one.stdout), CAPITAL)
+    piped = run_cli([*args, "--each-line", "--policy", "spec-q4"],
+                    input="What is the capital of France?\nWhat is the capital of Spain?\n")
+    assert piped.exit_code == 0, piped.stderr
+    lines = piped.stdout.splitlines()
+    assert len(lines) == 2 and lines[0] == one.stdout.strip()  # greedy: the constrained parent's answer
+    for line in lines:
+        jsonschema.validate(json.loads(line), CAPITAL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content, needle", [
+    ('{"type": 5}', "cannot be compiled"),
+    ("[", "is not JSON"),
+    ("[" * 100_000, "nests too deep"),
+    ('"just a string"', "must be a JSON object"),
+    ("x" * (G.MAX_SCHEMA_BYTES + 1), "larger than"),
+    (None, "cannot read it"),
+])
+def test_chat_json_schema_refuses_a_bad_file_in_one_line(family_dir, tmp_path, content, needle):
+    from conftest import run_cli
+
+    path = tmp_path / "schema.json"
+    if content is not None:
+        path.write_text(content)
+    r = run_cli(["chat", "--family", str(family_dir), "--json-schema", str(path), "hi"])
+    assert r.exit_code == 1 and r.stdout == ""
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.slow
+def test_chat_json_schema_cut_by_max_tokens_exits_1(family_dir, tmp_path):
+    from conftest import run_cli
+
+    schema = tmp_path / "capital.json"
+    schema.write_text(json.dumps(CAPITAL))
+    r = run_cli(["chat", "--family", str(family_dir), "--json-schema", str(schema), "--max-tokens", "3", "France?"])
+    assert r.exit_code == 1 and "before its JSON was complete" in r.stderr
+
+
+@pytest.mark.slow
+def test_bench_structured_reports_validity_forced_tokens_and_identity(family_dir, tmp_path):
+    from conftest import run_cli
+
+    out = tmp_path / "s.json"
+    r = run_cli(["bench", "prompts", "--family", str(family_dir), "--structured", "--categories", "json,tools",
+                 "--limit", "1", "--policies", "parent,spec-q4", "--max-tokens", "96", "--json-file", str(out)])
+    assert r.exit_code == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["config"]["datasets"] == ["structured"]
+    recs = [x for x in rep["records"] if x["policy"] in ("parent", "spec-q4")]
+    assert {x["category"] for x in recs} == {"json", "tools"}
+    for x in recs:
+        assert x["valid"] in (True, None) and (x["valid"] is None) == (x["finish_reason"] != "stop")
+        assert x["fidelity"] in (None, "identical", "near-tie")
+    spec = [x for x in recs if x["policy"] == "spec-q4"]
+    assert all(x["forced_accepted"] > 0 for x in spec)
+    summary = {s["policy"]: s for s in rep["summary"]}
+    assert summary["parent"]["forced_share"] == 0 and summary["spec-q4"]["forced_share"] > 0
+
+
+def test_forms_refuse_what_openai_refuses(family_dir):
+    from specquant_cli.backend.llama import Model
+    from specquant_cli.decoding.forms import FormError, read
+
+    model = Model(next(family_dir.glob("*q8_0.gguf")), vocab_only=True)
+    assert read(None, None, None, None, model).grammar is None
+    assert read({"type": "json_object"}, None, None, None, model).grammar.kind == "json_object"
+    named = read(None, [WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, None, model)
+    assert named.calls and list(named.grammar.tools) == ["get_time"] and named.grammar.required
+    assert read(None, [WEATHER], "none", None, model).grammar is None  # described to the model, never forced
+    for args, param in [(({"type": "json_schema"}, None, None), "response_format.json_schema"),
+                        (({"type": "json_schema", "json_schema": {"schema": {}}}, None, None),
+                         "response_format.json_schema.name"),
+                        ((None, None, "required"), "tool_choice"),
+                        ((None, [], None), "tools"),
+                        ((None, [{"type": "retrieval"}], None), "tools[0]"),
+                        ((None, [WEATHER] * (G.MAX_TOOLS + 1), None), "tools")]:
+        with pytest.raises(FormError) as e:
+            read(*args, None, model)
+        assert e.value.param == param, (args, e.value.param)
+    special = {"type": "function", "function": {"name": "f", "description": "ends <|im_end|> here"}}
+    with pytest.raises(FormError, match="special token"):
+        read(None, [special], None, None, model)

@@ -41,7 +41,8 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
         busy = sum(r.prefill_s + r.draft_s + r.verify_s for r in rs) or 1.0
         ident = [r.identical for r in rs if r.identical is not None]
         correct = [r.correct for r in rs if r.correct is not None]
-        valid = [r.valid for r in rs if getattr(r, "valid", None) is not None]
+        structured = [r for r in rs if getattr(r, "structured", False)]
+        valid = [r.valid for r in structured if r.valid is not None]
         out.append({
             "policy": p, "prompts": len(rs), "lossy": any(r.lossy for r in rs),
             "tokens_per_s": round(tps, 3), "speedup": round(tps / base, 4) if base else None,
@@ -70,9 +71,11 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
             if new and drafted else None,
             "levels": _levels(rs, drafted, accepted),
             "guard_stops": sum(r.guard_stop is not None for r in rs),
-            # structured output: answers complete and valid for their schema or tools; tokens the grammar forced
+            # structured output: of the answers that finished (not cut by --max-tokens), those valid for their
+            # schema or tools; the share of the tokens that the grammar forced (proposed free, the parent's picks)
             "valid_rate": round(sum(valid) / len(valid), 4) if valid else None,
-            "forced_share": round(sum(getattr(r, "forced_accepted", 0) for r in rs) / new, 4) if new and valid
+            "finished": len(valid), "structured": len(structured),
+            "forced_share": round(sum(r.forced_accepted for r in structured) / new, 4) if new and structured
             else None,
         })
     return out
@@ -146,6 +149,14 @@ def _q4_cell(s: dict) -> str:
     return f"{s['q4_share']:.0%} / {s['q4_decode_share']:.0%}" if s.get("q4_decode_share") else f"{s['q4_share']:.0%}"
 
 
+def _valid_cell(s: dict) -> str:
+    """Valid answers of those that finished, and how many were cut by --max-tokens."""
+    if not s.get("structured"):
+        return "–"
+    cut = s["structured"] - s["finished"]
+    return f"{_fmt(s['valid_rate'], pct=True)}" + (f" ({cut} cut)" if cut else "")
+
+
 def rows(summary: list[dict]) -> list[list[str]]:
     out = []
     for s in summary:
@@ -154,7 +165,7 @@ def rows(summary: list[dict]) -> list[list[str]]:
                     _fmt(s["speedup"], x=True), _fmt(s.get("decode_speedup"), x=True), _q4_cell(s),
                     _fmt(s.get("f16_speedup"), x=True),
                     _fmt(s["identical_rate"], pct=True), _fidelity_cell(s.get("fidelity")),
-                    _fmt(s.get("valid_rate"), pct=True), _fmt(s.get("forced_share"), pct=True),
+                    _valid_cell(s), _fmt(s.get("forced_share"), pct=True),
                     _fmt(s["acceptance_rate"], pct=True), _fmt(s["mean_accepted_length"]),
                     _fmt(s.get("draft_ms_per_token")),
                     f"{t['low']:.0%}/{t['medium']:.0%}/{t['high']:.0%}",

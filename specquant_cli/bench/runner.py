@@ -50,7 +50,8 @@ class Record:
     fidelity: Optional[str] = None  # identical / near-tie / unexplained (bench.fidelity); None: not judged
     levels: dict = field(default_factory=dict)  # a second drafting level's counts and time (EngineStats.levels)
     guard_stop: Optional[int] = None  # tokens into the answer when its rate guard stopped drafting
-    valid: Optional[bool] = None  # a structured item's answer is complete and valid for its form (None: no form)
+    valid: Optional[bool] = None  # a structured item's finished answer is valid for its form (None: no form, or cut)
+    structured: bool = False  # held to a form (a schema, json_object or tool calls)
     forced: int = 0  # tokens its grammar forced, proposed at no draft cost
     forced_accepted: int = 0
 
@@ -149,8 +150,9 @@ def _timed_runs(runtime: Runtime, router: Router, item: Item, policy: str, sp: S
         parent_tokens = tokens  # the parent's own run is its own reference
     rec = _record(item, policy, answer, tokens, runs, parent_tokens, sp)
     if form is not None and form.grammar is not None:
+        rec.structured = True
         finished = answer.last is not None and answer.last.finish_reason == "stop"  # not cut by --max-tokens
-        rec.valid = finished and form.grammar.validate(answer.text) is None
+        rec.valid = form.grammar.validate(answer.text) is None if finished else None
     return rec
 
 

@@ -128,8 +128,9 @@ def read(response_format: Optional[dict], tools: Any, tool_choice: Any, parallel
         out.calls = True
         chosen = {only: names[only]} if only else names
         try:
-            out.grammar = G.tool_calls(chosen, model, required=mode == "required", parallel=parallel is not False,
-                                       text=out.grammar)
+            # a named function is called once; otherwise as many calls as the model makes (parallel_tool_calls)
+            out.grammar = G.tool_calls(chosen, model, required=mode == "required",
+                                       parallel=parallel is not False and only is None, text=out.grammar)
             G.check(out.grammar, model)
         except FormError:
             raise

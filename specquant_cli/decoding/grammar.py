@@ -196,7 +196,7 @@ def tool_calls(tools: dict[str, dict], model, required: bool, parallel: bool = T
     else:
         other = "/(.|\\n)*/" if special else "/[^<](.|\\n)*/"
     lark = (f"start: {'calls' if required else 'calls | other'}\n"
-            f"calls: call{' (NL call)*' if parallel else ''}\n"
+            f"calls: call{' (NL call)*' if parallel else ''} NL?\n"
             f"call: {opens} NL %json {json.dumps(call, ensure_ascii=False)} NL {closes}\n"
             f"other: {other}\n"
             "NL: \"\\n\"\n")
