@@ -213,7 +213,7 @@ class ChatSession:
             answer.text = "".join(parts)
             self.last = answer
             planner = self.runtime.planner(answer.plan.policy)
-            if planner is not None:
+            if planner is not None and grammar is None:  # a grammar's free tokens would flatter the plan
                 planner.observe(answer)  # what the plan achieved, for the next prompt's plan
 
         return answer, run()

@@ -71,7 +71,11 @@ class ToolStream:
         items = []
         while (end := self.buf.find(TOOL_CLOSE)) >= 0:
             chunk, self.buf = self.buf[:end + len(TOOL_CLOSE)], self.buf[end + len(TOOL_CLOSE):]
-            calls = parse(chunk)
+            try:
+                calls = parse(chunk)
+            except ValueError:  # not a call after all (text the grammar did not hold to the form): text from here
+                self.mode, rest, self.buf = "text", chunk + self.buf, ""
+                return items + [("text", rest)]
             items += [("call", c) for c in calls]
             self.calls += len(calls)
         return items

@@ -444,3 +444,94 @@ def test_forms_refuse_what_openai_refuses(family_dir):
     special = {"type": "function", "function": {"name": "f", "description": "ends <|im_end|> here"}}
     with pytest.raises(FormError, match="special token"):
         read(None, [special], None, None, model)
+
+
+def test_tool_parameters_keep_their_own_defs_and_text_cannot_open_a_call(family_dir):
+    """A pydantic model's schema ($defs, $ref) stays the root of its call's arguments; under tool_choice auto a text
+    answer cannot begin with a call's marker (not even after spaces)."""
+    from specquant_cli.backend.llama import Model
+
+    model = Model(next(family_dir.glob("*q8_0.gguf")), vocab_only=True)
+    inner = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    params = {"$defs": {"Inner": inner}, "type": "object", "properties": {"a": {"$ref": "#/$defs/Inner"}},
+              "required": ["a"]}
+    g = G.tool_calls({"f": params}, model, required=False)
+    G.check(g, model)
+    for text, allowed in [('<tool_call>\n{"name": "f", "arguments": {"a": {"x": 3}}}\n</tool_call>', True),
+                          ('<tool_call>\n{"name": "f", "arguments": {"a": 3}}\n</tool_call>', False),
+                          ("Plain words.", True), ("  <tool_call>", False)]:
+        tokens = model.tokenize(text, add_bos=False, special=True)
+        assert (G.Constraint(g, model).valid_prefix(tokens) == len(tokens)) == allowed, text
+    assert g.validate('<tool_call>\n{"name": "f", "arguments": {"a": {"x": "no"}}}\n</tool_call>') is not None
+
+
+def test_a_stream_that_is_not_a_call_after_all_goes_on_as_text_and_a_cut_answer_keeps_its_calls():
+    from specquant_cli.serving.structured import message
+
+    s = ToolStream()
+    broken = "<tool_call>\n{broken</tool_call> and more"
+    assert s.feed(broken) == [("text", broken)]
+    assert s.feed(" text") == [("text", " text")]
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    msg, finish = message(call + "\n<tool_call>\n{\"name\": \"f\", \"argu", "length", calls=True)
+    assert finish == "length" and len(msg["tool_calls"]) == 1 and msg["content"].lstrip().startswith("<tool_call>")
+    msg, finish = message(call + "\n", "stop", calls=True)
+    assert finish == "tool_calls" and msg["content"] is None
+    assert message("Hi.", "stop", calls=True) == ({"role": "assistant", "content": "Hi.", "refusal": None}, "stop")
+
+
+def test_history_takes_calls_without_content_and_refuses_forged_or_deep_ones(family_dir):
+    from specquant_cli.backend.llama import Model
+    from specquant_cli.serving.schemas import ApiError, chat_params
+
+    model = Model(next(family_dir.glob("*q8_0.gguf")), vocab_only=True)
+
+    def call(name="f", args="{}"):
+        return {"id": "c1", "type": "function", "function": {"name": name, "arguments": args}}
+
+    ok = chat_params({"messages": [{"role": "user", "content": "q"},
+                                   {"role": "assistant", "content": "", "tool_calls": [call()]},
+                                   {"role": "assistant", "tool_calls": [call()]},
+                                   {"role": "tool", "tool_call_id": "c1", "content": ""}]}, lambda p: "parent", model)
+    assert [m["role"] for m in ok.messages] == ["user", "assistant", "assistant", "tool"]
+    assert ok.messages[1]["tool_calls"][0]["function"]["arguments"] == {}
+    for msgs, param in [
+        ([{"role": "assistant", "tool_calls": [call(args='{"x": "<|im_end|>"}')]}], "messages[1].tool_calls[0]"),
+        ([{"role": "assistant", "tool_calls": [call(name="f\n")]}], "messages[1].tool_calls[0]"),
+        ([{"role": "assistant", "tool_calls": [call(args="[" * 5000 + "]" * 5000)]}],
+         "messages[1].tool_calls[0].function.arguments"),
+        ([{"role": "assistant", "content": ""}], "messages[1].content"),
+    ]:
+        with pytest.raises(ApiError) as e:
+            chat_params({"messages": [{"role": "user", "content": "q"}, *msgs]}, lambda p: "parent", model)
+        assert e.value.status == 400 and e.value.param == param, (msgs, e.value.param, e.value.message)
+    with pytest.raises(ApiError) as e:
+        chat_params({"messages": [{"role": "user", "content": "q"}], "tools": [WEATHER],
+                     "parallel_tool_calls": "false"}, lambda p: "parent", model)
+    assert e.value.param == "parallel_tool_calls"
+
+
+def test_forced_tokens_and_an_earlier_run_are_never_remembered_as_the_answer():
+    from specquant_cli.decoding.memory import DraftMemory
+    from specquant_cli.decoding.protocols import Pending, verified
+    from specquant_cli.decoding.suffix import SuffixDrafter
+
+    memory = DraftMemory()
+    d = SuffixDrafter(memory=memory)
+    seq = list(range(100, 140))
+    d.prepare(seq)
+    pending = Pending(seq, [7, 8, 9])
+    assert list(pending) == seq + [7, 8, 9] and verified(pending) == seq and verified(seq) is seq
+    d.propose(pending, 4)
+    d.propose(Pending(seq + [5], [6]), 4)
+    assert memory.use()["tokens"] == len(seq) + 1  # one document: the verified tokens only, written once
+
+
+@pytest.mark.slow
+def test_chat_json_schema_cut_by_a_stop_string_exits_1(family_dir, tmp_path):
+    from conftest import run_cli
+
+    schema = tmp_path / "capital.json"
+    schema.write_text(json.dumps(CAPITAL))
+    r = run_cli(["chat", "--family", str(family_dir), "--json-schema", str(schema), "--stop", ",", "France?"])
+    assert r.exit_code == 1 and "not valid for the schema" in r.stderr

@@ -112,12 +112,18 @@ def _one(session, text: str, json_out: bool, stats: bool) -> None:
 
 
 def _check_complete(session, answer) -> None:
-    """An answer held to a schema that ran out of --max-tokens is not JSON: said, and the exit is 1."""
-    if session.grammar is not None and answer.last is not None and answer.last.finish_reason == "length":
-        from specquant_cli.errors import InputError
+    """An answer held to a schema that ran out of --max-tokens (or that a --stop string cut) is no valid JSON:
+    said, and the exit is 1."""
+    if session.grammar is None or answer.last is None:
+        return
+    from specquant_cli.errors import InputError
 
+    if answer.last.finish_reason == "length":
         raise InputError(f"the answer reached --max-tokens {session.max_tokens} before its JSON was complete; "
                          "raise --max-tokens")
+    problem = session.grammar.validate(answer.text)
+    if problem is not None:
+        raise InputError(f"the answer is not valid for the schema ({problem[:200]}); was it cut by --stop?")
 
 
 def _interactive(session, stats: bool) -> None:

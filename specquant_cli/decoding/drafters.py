@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from specquant_cli.decoding.gamma import Acceptance, best_draft_length, expected_tokens
-from specquant_cli.decoding.protocols import CycleOutcome, Draft, Level, Prepared, TokenContext
+from specquant_cli.decoding.protocols import CycleOutcome, Draft, Level, Prepared, TokenContext, verified
 from specquant_cli.decoding.sampling import Noise, SamplingParams, greedy_token, probs, sample
 
 # A model drafter imports the parent's KV cache instead of decoding when it lacks more than this many
@@ -164,7 +164,7 @@ class ModelDrafter(DrafterBase):
         if self.start >= len(seq):  # a new, shorter sequence without prepare()
             self.start = 0
         if self.lower is not None:
-            self.lower.remember(seq)
+            self.lower.remember(verified(seq))
         if self.start == 0:
             self._import(seq)  # a long way behind the parent: its cache, not a decode of the gap
         self._call(lambda: self.ctx.sync(seq[self.start:]))

@@ -18,6 +18,7 @@ from specquant_cli.decoding.protocols import (
     Draft,
     Drafter,
     GammaPolicy,
+    Pending,
     TokenContext,
     Verifier,
 )
@@ -70,7 +71,7 @@ class Engine:
                  gamma: Optional[GammaPolicy] = None, sampling: SamplingParams = GREEDY,
                  verifier: Optional[Verifier] = None, first_alone: bool = False,
                  constraint: Optional[Constraint] = None, jump_forward: bool = False,
-                 top_logprobs: Optional[int] = None):
+                 top_logprobs: Optional[int] = None, max_runs: int = MAX_SEGMENTS):
         """`first_alone`: the first token comes from the parent's own step, right after its prefill; the drafter
         prepares (its prefill or KV import) and drafts from the second token on. The time to the first token is
         then the parent's prefill and one step, not also the drafter's preparation and a draft; it costs one
@@ -80,7 +81,8 @@ class Engine:
         tokens it allows and every draft is cut at its first token it forbids. `jump_forward`: the tokens the
         grammar forces are proposed before the drafter's, at no draft cost (a policy that speculates; the parent
         alone decodes them one by one). `top_logprobs`: record the parent's log-probabilities (TokenEvent.logprob)
-        with that many alternatives."""
+        with that many alternatives. `max_runs`: drafter runs a cycle under a grammar (1 where a round pacer grants
+        each sequence its draft calls per cycle)."""
         self.parent = parent
         self.first_alone = first_alone
         self.drafter = drafter
@@ -89,6 +91,7 @@ class Engine:
         self.noise = sampling.noise()
         self.constraint = constraint
         self.jump_forward = jump_forward and constraint is not None
+        self.max_runs = max(1, max_runs)
         self.verifier = verifier or LinearVerifier(sampling, self.noise, constraint, top_logprobs)
         self.stats = EngineStats()
         self.eog_ids = parent.model.eog_ids
@@ -129,7 +132,7 @@ class Engine:
             draft, kinds, draft_s = self._draft(seq, g, room)
             outcome = self._verify(seq, draft, draft_s)
             own = self._drafters_part(kinds, outcome)
-            if not alone and own is not None:  # the drafter's tokens were judged: it and γ learn from them
+            if not alone:  # the first token's step is no drafting cycle: neither γ nor the drafter learn from it
                 self.gamma_policy.update(own)
                 if self.drafter is not None:
                     self.drafter.feedback(seq, own)
@@ -146,19 +149,19 @@ class Engine:
                 if eog:
                     return
 
-    def _drafters_part(self, kinds: list[Source], outcome: CycleOutcome) -> Optional[CycleOutcome]:
-        """The cycle as the drafter and γ see it: its own tokens proposed and accepted, forced tokens left out (and
-        counted in the stats); None when the parent parted from the draft at a forced token (the drafter's
-        tokens after it were never judged)."""
+    def _drafters_part(self, kinds: list[Source], outcome: CycleOutcome) -> CycleOutcome:
+        """The cycle as the drafter and γ see it: its own tokens proposed and accepted, and the forced tokens the
+        parent kept as `free` (all counted in the stats); when the parent parted from the draft at a forced token,
+        the drafter's tokens after it were never judged: it proposed nothing this cycle, as far as it learns."""
         st, k = self.stats, outcome.accepted
         forced = [kind == "grammar" for kind in kinds]
+        free = sum(forced[:k])
         st.forced += sum(forced)
-        st.forced_accepted += sum(forced[:k])
-        st.accepted -= sum(forced[:k])
-        if k < len(kinds) and forced[k]:
-            return None
-        return CycleOutcome(len(kinds) - sum(forced), k - sum(forced[:k]), outcome.next_token, outcome.draft_s,
-                            outcome.verify_s, outcome.scored)
+        st.forced_accepted += free
+        st.accepted -= free
+        judged = not (k < len(kinds) and forced[k])
+        return CycleOutcome(len(kinds) - sum(forced) if judged else 0, k - free, outcome.next_token,
+                            outcome.draft_s, outcome.verify_s, outcome.scored, free)
 
     def _prefill(self, seq: list[int], prepare: bool = True) -> None:
         st = self.stats
@@ -183,7 +186,7 @@ class Engine:
         """(draft, each token's source, drafting seconds): up to `g` tokens of the drafter's; under a grammar, cut at
         the first token it forbids, and with jump-forward the tokens it forces proposed too (before, between and
         after the drafter's runs: a run cut by the grammar, or followed by forced tokens, is drafted on from there,
-        at most MAX_SEGMENTS runs a cycle)."""
+        at most `max_runs` runs a cycle)."""
         if self.constraint is None:
             draft, dt, source = self._propose(seq, g)
             return draft, [source] * len(draft.tokens), dt
@@ -197,9 +200,9 @@ class Engine:
             tokens += forced
             kinds += ["grammar"] * len(forced)
             left = min(g - own, room - len(tokens))
-            if left <= 0 or runs == MAX_SEGMENTS or (runs and not forced):
+            if left <= 0 or runs == self.max_runs or (runs and not forced):
                 break
-            draft, dt, source = self._propose(seq + tokens if tokens else seq, left)
+            draft, dt, source = self._propose(Pending(seq, tokens) if tokens else seq, left)
             spent, runs = spent + dt, runs + 1
             ok = draft.tokens[:walk.valid_prefix(draft.tokens)]
             walk.advance(ok)

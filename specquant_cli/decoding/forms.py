@@ -14,7 +14,7 @@ from specquant_cli.decoding import grammar as G
 from specquant_cli.errors import InputError
 
 TOOL_CHOICES = ("none", "auto", "required")  # OpenAI's tool_choice words
-NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function and schema names
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function and schema names
 
 
 class FormError(InputError):
@@ -62,7 +62,7 @@ def response_format_grammar(fmt: Optional[dict], model) -> Optional[G.Grammar]:
     if not isinstance(spec, dict):
         raise _error("response_format json_schema needs a 'json_schema' object", "response_format.json_schema")
     name = spec.get("name")
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise _error("response_format json_schema needs a 'name' of 1-64 letters, digits, _ or -",
                      "response_format.json_schema.name")
     if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
@@ -83,7 +83,7 @@ def _functions(tools: Any, model) -> dict[str, dict]:
         if not isinstance(fn, dict):
             raise _error("a tool must be {\"type\": \"function\", \"function\": {...}}", f"tools[{i}]")
         name = fn.get("name")
-        if not isinstance(name, str) or not NAME.match(name):
+        if not isinstance(name, str) or not NAME.fullmatch(name):
             raise _error("a function name is 1-64 letters, digits, _ or -", f"tools[{i}].function.name")
         if name in out:
             raise _error(f"two tools are named {name!r}", f"tools[{i}].function.name")
@@ -114,6 +114,8 @@ def _choice(choice: Any, names: dict) -> tuple[str, Optional[str]]:
 def read(response_format: Optional[dict], tools: Any, tool_choice: Any, parallel: Any, model) -> Form:
     """The form a request asks of its answer: `response_format`, `tools` and `tool_choice` as OpenAI spells them,
     `parallel` its parallel_tool_calls (None: true)."""
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _error("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     out = Form(grammar=response_format_grammar(response_format, model))
     if tools is None:
         if tool_choice not in (None, "none"):

@@ -199,10 +199,10 @@ class RateGuard:
 
     def update(self, outcome: CycleOutcome) -> None:
         self.inner.update(outcome)
-        made = outcome.accepted + 1
+        made = outcome.accepted + outcome.free + 1
         self._made += made
         self.position += made
-        if not drafted(outcome):
+        if not drafted(outcome) and not outcome.free:  # a plain parent step (one token)
             self._plain.append(outcome.verify_s)
             return
         self._cycles += 1

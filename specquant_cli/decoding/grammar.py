@@ -182,36 +182,43 @@ def json_object() -> Grammar:
 def tool_calls(tools: dict[str, dict], model, required: bool, parallel: bool = True,
                text: Optional[Grammar] = None) -> Grammar:
     """Answers that call the functions `tools` (name -> parameter schema) in the Hermes form (specquant_cli.toolcalls),
-    one or (`parallel`) more; unless `required`, an answer may instead be text — JSON of `text`'s schema when given
-    (a response_format beside the tools) — which then cannot begin a call (a vocabulary with a `<tool_call>` token:
-    any text that is not that token; else text not starting with "<")."""
+    one or (`parallel`) more, each call's arguments the root of its own schema (its `$defs` and `$ref`s resolve
+    there); unless `required`, an answer may instead be text — JSON of `text`'s schema when given (a
+    response_format beside the tools) — which then cannot begin a call: its first character that is not whitespace
+    is not "<"."""
     _sized(tools, "the tools")
-    call = {"x-guidance": JSON_OPTIONS,
-            "anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                       "required": ["name", "arguments"], "additionalProperties": False}
-                      for name, params in tools.items()]}
-    opens, closes, special = _markers(model)
+    opens, closes = _markers(model)
+    bodies = [f"body_{i}: {json.dumps(_call_head(name))} "
+              f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **params}, ensure_ascii=False)} \"}}\""
+              for i, (name, params) in enumerate(tools.items())]
     if text is not None and text.schema is not None:
         other = f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **text.schema}, ensure_ascii=False)}"
     else:
-        other = "/(.|\\n)*/" if special else "/[^<](.|\\n)*/"
+        other = "/(\\s*[^<\\s](.|\\n)*)?/"
     lark = (f"start: {'calls' if required else 'calls | other'}\n"
             f"calls: call{' (NL call)*' if parallel else ''} NL?\n"
-            f"call: {opens} NL %json {json.dumps(call, ensure_ascii=False)} NL {closes}\n"
-            f"other: {other}\n"
+            f"call: {opens} NL ({' | '.join(f'body_{i}' for i in range(len(tools)))}) NL {closes}\n"
+            + "".join(b + "\n" for b in bodies)
+            + f"other: {other}\n"
             "NL: \"\\n\"\n")
     return Grammar("tool_calls", _llg().LLMatcher.grammar_from_lark(lark), text.schema if text else None,
                    dict(tools), required)
 
 
-def _markers(model) -> tuple[str, str, bool]:
-    """The lark spelling of a call's opening and closing markers: the vocabulary's own special tokens when it has
-    them (Qwen2.5: `<tool_call>` is one token), else the text."""
+def _call_head(name: str) -> str:
+    """A call's JSON up to its arguments: `{"name": "NAME", "arguments": `."""
+    return '{"name": ' + json.dumps(name) + ', "arguments": '
+
+
+def _markers(model) -> tuple[str, str]:
+    """The lark spelling of a call's opening and closing markers: the vocabulary's own tokens when each is one
+    special token that prints as its text (Qwen2.5's `<tool_call>`), else the text."""
     tok = tokenizer_for(model)
     ids = [model.tokenize(t, add_bos=False, special=True) for t in (TOOL_OPEN, TOOL_CLOSE)]
-    if all(len(i) == 1 and tok.is_special_token(i[0]) for i in ids):
-        return f"<[{ids[0][0]}]>", f"<[{ids[1][0]}]>", True
-    return json.dumps(TOOL_OPEN), json.dumps(TOOL_CLOSE), False
+    if all(len(i) == 1 and tok.is_special_token(i[0]) and model.piece(i[0]) == t.encode()
+           for i, t in zip(ids, (TOOL_OPEN, TOOL_CLOSE))):
+        return f"<[{ids[0][0]}]>", f"<[{ids[1][0]}]>"
+    return json.dumps(TOOL_OPEN), json.dumps(TOOL_CLOSE)
 
 
 def check(grammar: Grammar, model) -> None:

@@ -53,6 +53,22 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
 
 
+class Pending(list):
+    """A sequence whose tail from `verified` on is not verified yet: a grammar's forced tokens and an earlier run
+    of this cycle's draft, which a drafter drafts after (decoding.engine) but must not remember as the answer."""
+
+    def __init__(self, seq: Sequence[int], tail: Sequence[int]):
+        super().__init__(seq)
+        self.extend(tail)
+        self.verified = len(seq)
+
+
+def verified(seq: Sequence[int]) -> Sequence[int]:
+    """What of `seq` the parent has verified (all of it unless it is a `Pending`)."""
+    n = getattr(seq, "verified", None)
+    return seq if n is None else seq[:n]
+
+
 @dataclass(frozen=True)
 class CycleOutcome:
     """How one draft-and-verify cycle went; handed to the γ policy and to the drafter's feedback hook."""
@@ -63,6 +79,7 @@ class CycleOutcome:
     draft_s: float
     verify_s: float
     scored: int  # tokens in the parent's call (proposed + 1 for a linear verifier)
+    free: int = 0  # tokens a grammar forced that the parent kept (besides `accepted`; proposed at no draft cost)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Optional
 from specquant_cli.decoding.drafters import DrafterBase
 from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX, Acceptance, best_draft_length, expected_tokens, verify_shape
 from specquant_cli.decoding.memory import MAX_EXTEND, DraftMemory, Recorder
-from specquant_cli.decoding.protocols import CycleOutcome, Draft
+from specquant_cli.decoding.protocols import CycleOutcome, Draft, verified
 
 MIN_MATCH = 3  # shorter matches do not draft: a 2-token coincidence is wrong more often than not
 # Per-token acceptance priors by match length bucket, before feedback arrives (decayed counts).
@@ -63,7 +63,7 @@ class SuffixDrafter(DrafterBase):
                                  min(n, available))[0]
 
     def propose(self, seq: Sequence[int], n: int, sp=None, noise=None) -> Draft:
-        self.remember(seq)
+        self.remember(verified(seq))  # a grammar's forced tokens at its end are drafted after, not remembered
         return self.lookup(seq, n)
 
     def propose_after(self, seq: Sequence[int], out: list[int], room: int, sp=None, noise=None) -> list[int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from specquant_cli.backend.llama import Model
-from specquant_cli.decoding.engine import Engine
+from specquant_cli.decoding.engine import MAX_SEGMENTS, Engine
 from specquant_cli.decoding.gamma import FixedGamma, RateGuard
 from specquant_cli.decoding.memory import tokens_for
 from specquant_cli.decoding.registry import register_family_drafters
@@ -125,7 +125,8 @@ class Runtime:
             constraint = Constraint(grammar, target.model)
         speculates = plan.drafter is not None or policy_spec(plan.policy).planner is not None
         return Engine(target, drafter, gamma, sp, first_alone=True, constraint=constraint,
-                      jump_forward=speculates, top_logprobs=top_logprobs)
+                      jump_forward=speculates, top_logprobs=top_logprobs,
+                      max_runs=1 if self.costs.pacer is not None else MAX_SEGMENTS)
 
     def reset_caches(self) -> None:
         """Empty every KV cache (the bench's fresh-request state). Persistent drafters keep their memory."""

@@ -180,8 +180,10 @@ async def _admit(svc: Service, request: Request, obs: Observation, chat: bool) -
         def resolve(p: Optional[str]) -> str:
             return svc.policy_for(p or header_policy, "specquant_policy" if p else POLICY_HEADER)
 
-        if chat:  # a grammar compiles off the event loop (a large schema takes a while)
-            params = await asyncio.to_thread(chat_params, body, resolve, svc.runtime.tokenizer())
+        if chat:  # a grammar compiles off the event loop (a large schema takes a while), a few at once, and only
+            svc.worker.check_room()  # for a request the queue would take
+            async with svc.compiling:
+                params = await asyncio.to_thread(chat_params, body, resolve, svc.runtime.tokenizer())
         else:
             params = completion_params(body, resolve)
         params = replace(params, scope=svc.scope_of(_notes(request).get("tenant") or "", params.salt))
@@ -263,7 +265,7 @@ async def _sse(svc: Service, job: Job, maker: ChunkMaker, answer, first, notes: 
             rec = payload
             notes["gen"] = (answer, rec)
             obs.record(answer, rec)
-            chunk = maker.text(answer, rec) if rec.text else None
+            chunk = maker.text(answer, rec)  # None while nothing can go out (its logprobs wait for the next)
             if chunk is not None:
                 yield _event(chunk)
             if rec.finish_reason is not None:

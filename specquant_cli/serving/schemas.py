@@ -90,8 +90,8 @@ class ContentPart(_Lenient):
 
 class Message(_Lenient):
     role: str
-    # null only beside an assistant's tool_calls (serving.structured.history says so otherwise)
-    content: Union[NonEmptyText, Annotated[list[ContentPart], Field(min_length=1)], None]
+    # null, empty or absent only beside an assistant's tool_calls or in a tool's result (serving.structured.history)
+    content: Union[Text, Annotated[list[ContentPart], Field(min_length=1)], None] = None
 
 
 class _Common(_Lenient):
@@ -271,9 +271,14 @@ def _chat_params(body: Any, resolve_policy: Callable[[Optional[str]], str], mode
     form = structure(req, model) if wants and model is not None else Structure()
     if wants and model is None:
         raise _unsupported("response_format" if req.response_format else "tools", "no model to compile it for")
+    messages = _messages(req.messages)
+    if model is not None:
+        from specquant_cli.serving.structured import check_history
+
+        check_history(messages, model)
     return GenerationParams(policy=resolve_policy(req.specquant_policy), sampling=_sampling(req),
                             max_tokens=req.max_completion_tokens or req.max_tokens, stop=_stops(req.stop),
-                            messages=_messages(req.messages), stream=bool(req.stream),
+                            messages=messages, stream=bool(req.stream),
                             include_usage=bool(req.stream_options and req.stream_options.include_usage),
                             salt=req.cache_salt, grammar=form.grammar, tools=form.tools, tool_calls=form.calls,
                             top_logprobs=form.top_logprobs)

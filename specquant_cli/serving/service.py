@@ -8,6 +8,7 @@ the first token nor `cached_tokens` says anything about another scope's prompts.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import math
@@ -23,6 +24,7 @@ from specquant_cli.serving.security import OriginPolicy
 from specquant_cli.serving.slots import LockedRouter
 from specquant_cli.serving.worker import EngineWorker
 
+COMPILES = 2  # grammars (response_format, tools) compiled at once, off the event loop
 RECOVER_POLL_S = 2.0  # how often a server that lost its RPC parent asks whether the workers are back
 
 
@@ -53,6 +55,7 @@ class Service:
         from specquant_cli.decoding.grammar import tokenizer_for
 
         tokenizer_for(runtime.tokenizer())  # the grammar engine's view of the vocabulary (~1 s), before serving
+        self.compiling = asyncio.Semaphore(COMPILES)  # requests' grammars compiled at once (serving.app)
         self.parent_tokens_per_s = parent_rate(runtime)  # read once: the runtime belongs to the worker thread
         self.created = created_at(family)  # read once: the folder may change (or go) while serving
         # What each loaded model's KV cache was sized for: positions for every sequence that runs, and sequences.

@@ -50,34 +50,47 @@ def structure(req, model) -> Structure:
 
 
 def history(i: int, m, role: str, content: Optional[str]) -> dict:
-    """Message `i` as the template reads it: an assistant's `tool_calls` (arguments as objects) or a tool's result."""
+    """Message `i` as the template reads it: an assistant's `tool_calls` (arguments as objects; its content may be
+    null or empty) or a tool's result (its content may be empty)."""
     extra = m.model_extra or {}
     if role == "tool":
-        if content is None:
-            raise _error("a tool message needs its content", f"messages[{i}].content")
-        return {"role": "tool", "content": content, "tool_call_id": str(extra.get("tool_call_id") or "")}
+        return {"role": "tool", "content": content or "", "tool_call_id": str(extra.get("tool_call_id") or "")}
     calls = extra.get("tool_calls")
     if role != "assistant" or not calls:
-        if content is None:
-            raise _error("the message has no content", f"messages[{i}].content")
+        if not content:
+            raise _error("the message has no content" if content is None else "the text is empty",
+                         f"messages[{i}].content")
         return {"role": role, "content": content}
     if not isinstance(calls, list):
         raise _error("tool_calls must be a list", f"messages[{i}].tool_calls")
-    out = []
-    for j, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        name, args = (fn.get("name"), fn.get("arguments")) if isinstance(fn, dict) else (None, None)
-        if not isinstance(name, str) or not isinstance(args, str):
-            raise _error("a tool call needs function.name and function.arguments (a JSON string)",
-                         f"messages[{i}].tool_calls[{j}]")
-        try:
-            parsed = json.loads(args)
-        except ValueError:
-            raise _error("function.arguments is not JSON", f"messages[{i}].tool_calls[{j}].function.arguments") \
-                from None
-        out.append({"id": str(c.get("id") or ""), "type": "function",
-                    "function": {"name": name, "arguments": parsed}})
-    return {"role": "assistant", "content": content or "", "tool_calls": out}
+    return {"role": "assistant", "content": content or "",
+            "tool_calls": [_past_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]}
+
+
+def _past_call(c, param: str) -> dict:
+    """One call of an assistant message in the history, its arguments parsed (the template writes them as JSON)."""
+    fn = c.get("function") if isinstance(c, dict) else None
+    name, args = (fn.get("name"), fn.get("arguments")) if isinstance(fn, dict) else (None, None)
+    if not isinstance(name, str) or not forms.NAME.fullmatch(name) or not isinstance(args, str):
+        raise _error("a tool call needs function.name (1-64 letters, digits, _ or -) and function.arguments "
+                     "(a JSON string)", param)
+    try:
+        parsed = json.loads(args)
+    except RecursionError:
+        raise _error("function.arguments nests too deep", f"{param}.function.arguments") from None
+    except ValueError:
+        raise _error("function.arguments is not JSON", f"{param}.function.arguments") from None
+    return {"id": str(c.get("id") or ""), "type": "function", "function": {"name": name, "arguments": parsed}}
+
+
+def check_history(messages: list[dict], model) -> None:
+    """The calls in the history are written into the prompt as markup (the template's JSON of them): one that
+    spells a special token of the vocabulary would forge a turn, and is refused."""
+    for i, m in enumerate(messages):
+        for j, c in enumerate(m.get("tool_calls") or ()):
+            if model.spells_special(json.dumps(c["function"], ensure_ascii=False)):
+                raise _error("a tool call spells a special token of the model's vocabulary",
+                             f"messages[{i}].tool_calls[{j}]")
 
 
 def call_id() -> str:
@@ -91,16 +104,19 @@ def tool_call(index: Optional[int], call: dict) -> dict:
 
 
 def message(text: str, finish: str, calls: bool) -> tuple[dict, str]:
-    """(the assistant message, finish_reason) of a whole answer: its tool calls when it made them and finished."""
-    if calls and finish == "stop" and toolcalls.is_calls(text):
-        try:
-            parsed = toolcalls.parse(text)
-        except ValueError:
-            parsed = []
-        if parsed:
-            return {"role": "assistant", "content": None, "refusal": None,
-                    "tool_calls": [tool_call(None, c) for c in parsed]}, "tool_calls"
-    return {"role": "assistant", "content": text, "refusal": None}, finish
+    """(the assistant message, finish_reason) of a whole answer read for tool calls as a stream of it would be
+    (toolcalls.ToolStream): its whole calls, then what never became one as content (an answer cut short); the
+    finish reason is "tool_calls" when it made calls and finished."""
+    if not calls:
+        return {"role": "assistant", "content": text, "refusal": None}, finish
+    stream = toolcalls.ToolStream()
+    items = stream.feed(text)
+    made = [tool_call(None, x) for kind, x in items if kind == "call"]
+    rest = "".join(x for kind, x in items if kind == "text") + stream.rest()
+    msg = {"role": "assistant", "content": rest or (None if made else ""), "refusal": None}
+    if made:
+        msg["tool_calls"] = made
+    return msg, "tool_calls" if made and finish == "stop" else finish
 
 
 def logprobs_content(model, entries) -> list[dict]:

@@ -111,16 +111,25 @@ class EngineWorker:
     def submit(self, job: Job) -> None:
         """Admit `job` or raise ApiError 429 (queue full, with Retry-After) or 503 (shutting down)."""
         with self._cond:
-            if self._stopping is not None:
-                raise self._stopping
-            busy = len(self._running) >= self.parallel or self._waiting
-            if busy and len(self._waiting) >= self.max_queue:
-                wait = self._retry_after()
-                raise ApiError(429, f"the engine is busy and {len(self._waiting)} request(s) are queued "
-                                    f"(--queue {self.max_queue}); retry in about {wait} s",
-                               type="rate_limit_error", code="queue_full", headers={"Retry-After": str(wait)})
+            self._refuse_if_full()
             self._waiting.append(job)
             self._cond.notify()
+
+    def check_room(self) -> None:
+        """Raise what `submit` would raise now (a request about to do costly work before it is queued: a grammar
+        to compile)."""
+        with self._cond:
+            self._refuse_if_full()
+
+    def _refuse_if_full(self) -> None:
+        if self._stopping is not None:
+            raise self._stopping
+        busy = len(self._running) >= self.parallel or self._waiting
+        if busy and len(self._waiting) >= self.max_queue:
+            wait = self._retry_after()
+            raise ApiError(429, f"the engine is busy and {len(self._waiting)} request(s) are queued "
+                                f"(--queue {self.max_queue}); retry in about {wait} s",
+                           type="rate_limit_error", code="queue_full", headers={"Retry-After": str(wait)})
 
     def cancel(self, job: Job, reason: ApiError) -> None:
         """Stop `job`: a waiting job leaves the queue now, a running one stops after its current cycle.

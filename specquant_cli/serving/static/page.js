@@ -9,6 +9,7 @@
   const SOURCES = {
     draft: "model draft, accepted by the parent",
     suffix: "suffix / n-gram draft, accepted by the parent",
+    grammar: "forced by the answer's grammar (structured output), accepted by the parent",
     parent: "the parent's own token (a correction or the bonus)",
   };
   const $ = (id) => document.getElementById(id);
