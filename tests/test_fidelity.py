@@ -37,8 +37,8 @@ class SecondChoiceWhenSure(LinearVerifier):
     """Broken on purpose: once, where the parent leads by at least SURE logits, its next token becomes its
     second choice (the pair is the parent's top two, the margin is far outside the noise)."""
 
-    def __init__(self, sp=GREEDY, noise=None):
-        super().__init__(sp, noise or sp.noise())
+    def __init__(self, sp=GREEDY, noise=None, *rest):  # rest: the engine's constraint and logprobs settings
+        super().__init__(sp, noise or sp.noise(), *rest)
         self.broken = False
 
     def verify(self, parent, seq, draft):

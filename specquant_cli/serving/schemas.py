@@ -357,7 +357,8 @@ def running_info(rec) -> dict:
 
 def spans_info(rec) -> list[dict]:
     """Where a record's text came from, piece by piece: source "draft" (a model draft the parent accepted),
-    "suffix" (a suffix / n-gram draft it accepted) or "parent" (its own token: a correction or the bonus)."""
+    "suffix" (a suffix / n-gram draft it accepted), "grammar" (a token the answer's grammar forced, proposed free and
+    accepted) or "parent" (its own token: a correction or the bonus)."""
     return [{"text": text, "source": source} for text, source in rec.spans]
 
 
