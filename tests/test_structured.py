@@ -391,13 +391,15 @@ def test_chat_json_schema_refuses_a_bad_file_in_one_line(family_dir, tmp_path, c
 
 
 @pytest.mark.slow
-def test_chat_json_schema_cut_by_max_tokens_exits_1(family_dir, tmp_path):
+@pytest.mark.parametrize("cut, says", [(["--max-tokens", "3"], "before its JSON was complete"),
+                                       (["--stop", ","], "not valid for the schema")])
+def test_chat_json_schema_cut_by_max_tokens_or_a_stop_string_exits_1(family_dir, tmp_path, cut, says):
     from conftest import run_cli
 
     schema = tmp_path / "capital.json"
     schema.write_text(json.dumps(CAPITAL))
-    r = run_cli(["chat", "--family", str(family_dir), "--json-schema", str(schema), "--max-tokens", "3", "France?"])
-    assert r.exit_code == 1 and "before its JSON was complete" in r.stderr
+    r = run_cli(["chat", "--family", str(family_dir), "--json-schema", str(schema), *cut, "France?"])
+    assert r.exit_code == 1 and says in r.stderr
 
 
 @pytest.mark.slow
@@ -526,16 +528,6 @@ def test_forced_tokens_and_an_earlier_run_are_never_remembered_as_the_answer():
     d.propose(pending, 4)
     d.propose(Pending(seq + [5], [6]), 4)
     assert memory.use()["tokens"] == len(seq) + 1  # one document: the verified tokens only, written once
-
-
-@pytest.mark.slow
-def test_chat_json_schema_cut_by_a_stop_string_exits_1(family_dir, tmp_path):
-    from conftest import run_cli
-
-    schema = tmp_path / "capital.json"
-    schema.write_text(json.dumps(CAPITAL))
-    r = run_cli(["chat", "--family", str(family_dir), "--json-schema", str(schema), "--stop", ",", "France?"])
-    assert r.exit_code == 1 and "not valid for the schema" in r.stderr
 
 
 @pytest.mark.slow
