@@ -12,13 +12,13 @@ from conftest import run_cli
 
 
 def tiny_llama(path: Path, seed: int = 0, dim: int = 64, ff: int = 128, layers: int = 1, vocab: int = 256,
-               token_prefix: str = "t", arch: str = "llama", layer_gain: float = 0.0) -> Path:
+               token_prefix: str = "t", arch: str = "llama", layer_gain: float = 0.0, split=(0, 1)) -> Path:
     """A small F16 llama GGUF that llama.cpp's quantizer accepts (it cannot chat: no real tokenizer).
     layer_gain > 0 scales layer i's matrices by (1 + layer_gain * i), so layers differ in magnitude."""
     from specquant_cli.backend.tiny import write_tiny_llama
 
     return write_tiny_llama(path, seed=seed, dim=dim, ff=ff, layers=layers, vocab=vocab, token_prefix=token_prefix,
-                            arch=arch, layer_gain=layer_gain)
+                            arch=arch, layer_gain=layer_gain, split=split)
 
 
 def snapshot(root: Path) -> dict[str, tuple]:

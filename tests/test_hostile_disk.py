@@ -268,7 +268,7 @@ def _recipe(plan_text='{"role": "q4i"}'):
 JOURNALS = [
     ("empty-variants", _empty_variants, "manifest has no variants"),
     ("manifest-null", lambda r: _j(None), "no manifest"),
-    ("no-parent", _no_parent, "has no parent (f16 or bf16 variant)"),
+    ("no-parent", _no_parent, "has no parent (f16 or bf16 or own variant)"),
     ("parent-null", _parent_null, "its f16 variant: its manifest record is null"),
     ("renames-not-a-list", lambda r: {**_j(manifest_of(r)), "renames": "all"}, "no renames"),
     ("rename-non-temp", _rename_non_temp, "bad rename"),

@@ -71,6 +71,7 @@ def _bad_bases(tmp: Path, good: Path, q8: Path):
     (tmp / "dangling.gguf").symlink_to(tmp / "nowhere.gguf")
     os.mkfifo(tmp / "fifo.gguf")
     tiny_llama(tmp / "alien.gguf", arch="nonsense")
+    tiny_llama(tmp / "part.gguf", split=(0, 3))
     return [
         ("text.gguf", "not a GGUF file"),
         ("empty.gguf", "not a GGUF file (magic b''"),
@@ -84,11 +85,12 @@ def _bad_bases(tmp: Path, good: Path, q8: Path):
         ("dangling.gguf", "no such file"),
         ("fifo.gguf", "not a file"),
         ("alien.gguf", "architecture 'nonsense' is not one llama.cpp knows"),
-        (q8, "already quantized"),
+        (q8, "a 16-bit rendering of it would not be the file you run"),  # --types f16 of a quantized base
+        ("part.gguf", "part 1 of a model split into 3 files (llama-gguf-split); merge them"),
     ]
 
 
-@pytest.mark.parametrize("i", range(13))
+@pytest.mark.parametrize("i", range(14))
 def test_unusable_base_is_refused_and_nothing_written(tmp_path, bases, built, i):
     cases = _bad_bases(tmp_path, bases[0], built / "fam-q8_0.gguf")
     name, needle = cases[i]

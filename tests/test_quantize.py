@@ -91,7 +91,7 @@ def test_bad_inputs(tmp_path, family):
         ([str(garbage)], "truncated or corrupt GGUF"),
         ([str(tmp_path / "missing.gguf")], "no such file"),
         ([str(real), "--types", "q4_k_m,q3_weird"], "unknown type 'q3_weird'; valid types: q4_0"),
-        ([str(family.path("q8"))], "already quantized"),
+        ([str(family.path("q8")), "--types", "q4_0"], "quantizing drafts from the quantized parent"),
     ]
     for i, (args, needle) in enumerate(cases):
         out = tmp_path / f"out{i}"

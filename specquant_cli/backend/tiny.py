@@ -10,10 +10,11 @@ import numpy as np
 
 def write_tiny_llama(path: Path, *, seed: int = 0, dim: int = 64, ff: int = 128, layers: int = 1, vocab: int = 256,
                      token_prefix: str = "t", arch: str = "llama", layer_gain: float = 0.0, scale: float = 1.0,
-                     merges: tuple[str, ...] = ()) -> Path:
+                     merges: tuple[str, ...] = (), split: tuple[int, int] = (0, 1)) -> Path:
     """F16 weights N(0, scale²); layer_gain > 0 scales layer i's matrices by (1 + layer_gain * i). llama.cpp loads
     a BPE vocabulary only with a merges list: give one (any pair) for a model that is to be loaded, not just
-    quantized."""
+    quantized. `split`: (split.no, split.count), written as llama-gguf-split writes them into each part when
+    count > 1."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -31,6 +32,10 @@ def write_tiny_llama(path: Path, *, seed: int = 0, dim: int = 64, ff: int = 128,
     w.add_token_list([f"<{token_prefix}{i}>" for i in range(vocab)])
     w.add_token_types([1] * vocab)
     w.add_token_merges(list(merges))
+    if split[1] > 1:
+        w.add_uint16("split.no", split[0])
+        w.add_uint16("split.count", split[1])
+        w.add_int32("split.tensors.count", 3 + 9 * layers)
 
     def f16(*shape):
         return (rng.standard_normal(shape) * scale).astype(np.float16)

@@ -13,14 +13,17 @@ from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
-    app.command("quantize", help="Quantize a float base GGUF into a family (one variant per type) with llama.cpp.")(
-        quantize)
+    app.command("quantize", help="Make a family of a base GGUF: a float base quantized into drafts (one variant per "
+                                 "type) with llama.cpp; a quantized GGUF (Q8_0, Q6_K, Q5_K_M, Q4_K_M, ...) kept as "
+                                 "it is as the parent.")(quantize)
 
 
 @with_settings("runtime.threads")
 def quantize(
-    base: Optional[Path] = typer.Argument(None, help="Base model: GGUF with F16/BF16/F32 weights (leave it out to add "
-                                          "a --draft-model to the existing family --out)"),
+    base: Optional[Path] = typer.Argument(None, help="Base model: GGUF with F16/BF16/F32 weights, or the quantized "
+                                          "GGUF you run (Q8_0, Q6_K, Q5_K_M, Q4_K_M, ...: the parent as it is, "
+                                          "lossless relative to it); leave it out to add a --draft-model to the "
+                                          "existing family --out"),
     out: Optional[Path] = typer.Option(None, "--out", help="Family folder (default: models/<base name>)"),
     draft_model: Optional[Path] = typer.Option(
         None, "--draft-model", help="A smaller model of the parent's vocabulary (any GGUF type) recorded as a sibling "
@@ -41,7 +44,9 @@ def quantize(
     ladder: Optional[str] = typer.Option(None, "--ladder", help="Types a graded variant may use "
                                          "(default q2_k,q3_k,q4_0,q5_0,q8_0)"),
     force: bool = typer.Option(False, "--force", help="Rewrite variants that already exist"),
-    allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Accept an already-quantized base"),
+    allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Quantize drafts from a quantized base "
+                                          "(default --types: the standard drafts of fewer bits than it); the base "
+                                          "itself stays the parent, never rewritten"),
     json_out: bool = JsonOpt,
     *, cfg: Settings,
 ) -> None:
@@ -63,11 +68,14 @@ def quantize(
     if types is None and grade is None:
         split_types("", None, role, ladder)  # --role or --ladder without --grade: refused as with any --types
         info = read_info(base)
-        plain, recipes, qtypes = [], [], default_types(info)
+        plain, recipes, qtypes = [], [], default_types(info, allow_requantize)
     else:
         plain, recipes = split_types(types if types is not None else "", grade, role, ladder)
         qtypes = parse_types(plain) if plain or not recipes else []  # neither: parse_types names the empty --types
         info = read_info(base)
+    if recipes and not info.is_float:
+        raise InputError(f"--types {','.join(r.role for r in recipes)}: a draft recipe is made from a float base; "
+                         f"{base} is quantized ({info.file_type or info.weight_type})")
     stem = base.stem
     for suffix in ("-f16", ".f16", "-bf16", ".bf16"):
         stem = stem.removesuffix(suffix)
@@ -85,7 +93,7 @@ def quantize(
                 tasks[name] = prog.add_task(f"quantize {name}", total=total)
             prog.update(tasks[name], completed=done, total=max(total, done))
 
-        if qtypes:
+        if qtypes or not info.is_float:  # a quantized base is placed as the parent, drafts or none
             manifest = quantize_family(base, out_dir, qtypes, threads=threads, force=force,
                                        allow_requantize=allow_requantize, progress=progress, f16_if_exact=types is None,
                                        warn=lambda t: prog.console.print(f"warning: {t}", markup=False))
@@ -98,7 +106,21 @@ def quantize(
 
         manifest, _ = add_sibling(out_dir, draft_model, draft_role, force=force, warn=_warn)
     err.print(f"{info.arch} base, {info.n_params / 1e6:.0f}M params -> {out_dir} in {time.perf_counter() - t0:.1f}s")
+    if not info.is_float:
+        _say_quantized_parent(base, info, manifest)
     _print_variants(manifest, json_out)
+
+
+def _say_quantized_parent(base: Path, info, manifest: dict) -> None:
+    """A family of a quantized parent: what lossless means for it, and how it gets a model draft when it has none."""
+    from specquant_cli.family.own import parent_type
+    from specquant_cli.family.roles import draft_roles
+
+    err.print(f"parent: {base.name} ({parent_type(info)}) as it is: lossless output is that file's own", markup=False)
+    if not draft_roles(manifest["variants"]):
+        _warn("the family has no model draft, so only draft-free policies speed it up (auto plans suffix drafts); "
+              "add a smaller model of its vocabulary with --draft-model SMALL.gguf, or quantize drafts from it with "
+              "--allow-requantize")
 
 
 def _warn(text: str) -> None:

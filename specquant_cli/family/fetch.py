@@ -20,7 +20,7 @@ from typing import Optional
 from specquant_cli.errors import FamilyError, InputError, ModelFileError
 from specquant_cli.family.ggufio import dequantize_to_float, read_info
 from specquant_cli.family.manifest import Family
-from specquant_cli.family.roles import BUILTIN_ROLES, RENDERINGS
+from specquant_cli.family.roles import BUILTIN_ROLES, FLOAT_RENDERINGS
 from specquant_cli.fsutil import atomic_path, check_folder_writable, remove_stale, sha256_file
 
 INFLATION_NOTE = (
@@ -176,7 +176,7 @@ def fetch_origin(spec: FamilySpec, workdir: Path, progress: Optional[Progress] =
 
 def present(root: Path, roles: tuple[str, ...] = BUILTIN_ROLES,
             warn: Optional[Callable[[str], None]] = None,
-            renderings: tuple[str, ...] = RENDERINGS) -> Optional[Family]:
+            renderings: tuple[str, ...] = FLOAT_RENDERINGS) -> Optional[Family]:
     """The family at root when it has every role and both parent renderings and its files all check out (path,
     size, GGUF header and sha256), else None (a family pulled before it had a BF16 rendering is pulled again)."""
     if not Path(root).is_dir():
@@ -296,3 +296,44 @@ def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
         pull_siblings(spec, root, progress, warn)
         return Family.load(root, warn), True
     return Family(root, manifest), True
+
+
+def is_file_name(name: str) -> bool:
+    """`pull NAME` names a model file here (a path, or a name ending in .gguf), not a demo family."""
+    return name not in FAMILIES and (name.endswith(".gguf") or os.sep in name or Path(name).is_file())
+
+
+def pull_file(path: Path, models_dir: Path, *, force: bool = False, threads: int = 0, allow_requantize: bool = False,
+              progress: Optional[Progress] = None, warn: Optional[Callable[[str], None]] = None) -> tuple[Family, bool]:
+    """A family of a GGUF file already here (no hub: a file the user downloaded), in `models_dir` under the file's
+    name, made as `quantize FILE` makes it: a float base quantized into the standard drafts beside its exact
+    renderings; a quantized one (Q8_0, Q6_K, ...) kept as it is as the parent, drafts quantized from it only with
+    `allow_requantize`. Like a demo pull, a family already made of this file is checked and kept. Returns (family,
+    built_now)."""
+    from specquant_cli.family.ggufio import read_info
+    from specquant_cli.family.manifest import read_existing
+    from specquant_cli.family.quantize import default_types, quantize_family
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such model file; pull takes a GGUF file here or a demo family "
+                         f"({', '.join(FAMILIES)})")
+    models_dir = Path(models_dir)
+    if models_dir.exists() and not models_dir.is_dir():
+        raise InputError(f"--models-dir {models_dir}: not a folder")
+    info = read_info(path)
+    stem = path.stem.removesuffix("-f16").removesuffix("-bf16")
+    root = models_dir / stem
+    before = read_existing(root)[0] if root.is_dir() else None
+    manifest = quantize_family(path, root, default_types(info, allow_requantize), threads=threads, force=force,
+                               allow_requantize=allow_requantize, warn=warn, out_label="--models-dir",
+                               f16_if_exact=True,
+                               progress=(lambda t, d, n: progress(f"quantize {t}", d, n)) if progress else None)
+    return Family(root, manifest), _files(before) != _files(manifest)
+
+
+def _files(manifest: Optional[dict]) -> dict:
+    """role -> what its file is (path, size, sha256, modification time where recorded): what a rebuild changes."""
+    variants = (manifest or {}).get("variants")
+    return {r: tuple(v.get(k) for k in ("path", "size_bytes", "sha256", "mtime_ns"))
+            for r, v in (variants if isinstance(variants, dict) else {}).items() if isinstance(v, dict)}

@@ -36,6 +36,7 @@ class GGUFInfo:
     provenance: Optional[str] = None
     chat_template: Optional[str] = None
     vocab_sha256: Optional[str] = None  # fingerprint of tokenizer.ggml.tokens: variants of a family share it
+    split: tuple[int, int] = (0, 1)  # (split.no, split.count): a model llama-gguf-split cut into several files
 
     @property
     def is_float(self) -> bool:
@@ -267,11 +268,26 @@ def read_info(path: Path) -> GGUFInfo:
         n_params=n_params, tensor_types=types, weight_type=weight_type, file_type=file_type, hparams=hp,
         provenance=text(PROVENANCE_KEY), chat_template=text("tokenizer.chat_template"),
         vocab_sha256=kv.get("tokenizer.ggml.tokens") if isinstance(kv.get("tokenizer.ggml.tokens"), str) else None,
+        split=(_count(kv.get("split.no"), 0), _count(kv.get("split.count"), 1)),
     )
 
 
+def _count(v, default: int) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default
+
+
+def split_problem(info: GGUFInfo) -> Optional[str]:
+    """Why a GGUF cut into parts (llama-gguf-split) is not taken as one model file, else None."""
+    no, count = info.split
+    if count <= 1:
+        return None
+    return (f"{info.path}: part {no + 1} of a model split into {count} files (llama-gguf-split); merge them into one "
+            f"file first: llama-gguf-split --merge {info.path} merged.gguf")
+
+
 def ftype_name(ft) -> str:
-    """A general.file_type value as llama.cpp names it (Q4_K_M, F16, ...); "" when absent or unknown."""
+    """A general.file_type value as llama.cpp names it (Q4_K_M, F16, ...); "" when absent, `unknown (N)` for a value
+    llama.cpp does not name."""
     import gguf
 
     if not isinstance(ft, int) or isinstance(ft, bool):
@@ -279,7 +295,7 @@ def ftype_name(ft) -> str:
     try:
         return gguf.LlamaFileType(ft).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except ValueError:
-        return ""
+        return f"unknown ({ft})"
 
 
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")

@@ -28,6 +28,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Optional
 
@@ -426,6 +427,8 @@ def _check_structure(m: dict, mpath: Path) -> None:
 def _wanted_type(v: dict) -> str:
     """The file type (general.file_type, as llama.cpp names it) a variant record promises: a sibling's as recorded,
     a quantized variant's from its type; "" for a recipe role (its type is a label)."""
+    if isinstance(v.get("file_type"), str):  # a quantized parent's (family.quantize.own_record)
+        return v["file_type"]
     sib = v.get("sibling")
     if isinstance(sib, dict):
         return sib["file_type"] if isinstance(sib.get("file_type"), str) else ""
@@ -433,8 +436,9 @@ def _wanted_type(v: dict) -> str:
     return qtype.upper() if isinstance(qtype, str) and qtype in QUANT_TYPES else ""
 
 
-def _file_problem(full: Path, rel: str, size: int, want: str) -> Optional[str]:
-    """Why the file of a variant record cannot be used: presence, size, GGUF header, file type (a header read)."""
+def _file_problem(full: Path, rel: str, size: int, want: str, mtime_ns=None) -> Optional[str]:
+    """Why the file of a variant record cannot be used: presence, size, modification time where the record has one
+    (a quantized parent's), GGUF header, file type (a header read)."""
     from specquant_cli.family.ggufio import header_problem, read_file_type
 
     try:
@@ -447,6 +451,11 @@ def _file_problem(full: Path, rel: str, size: int, want: str) -> Optional[str]:
         return f"{rel} is not a regular file"
     if st.st_size != size:
         return f"{rel} is {st.st_size} bytes, the manifest says {size} (truncated or replaced)"
+    if _is_int(mtime_ns) and st.st_mtime_ns != mtime_ns:
+        return (f"{rel} changed on disk after the family was made (modified "
+                f"{datetime.fromtimestamp(st.st_mtime, UTC).isoformat(timespec='seconds')}); its drafts and "
+                f"calibration were made for the file as it was: specquant quantize FILE --out FOLDER makes the family "
+                f"of the file as it is now")
     hp = header_problem(full)
     if hp:
         return f"{rel}: {hp}"
@@ -567,7 +576,7 @@ class Family:
         if not _is_int(size) or size < 0:
             return "its size_bytes is missing or not a non-negative integer"
         full = self.staged.get(rel, full)
-        why = _file_problem(full, rel, size, _wanted_type(v))
+        why = _file_problem(full, rel, size, _wanted_type(v), v.get("mtime_ns"))
         if why or not hashes:
             return why
         sha = v.get("sha256")

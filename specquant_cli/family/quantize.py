@@ -15,7 +15,8 @@ from typing import Optional
 from specquant_cli.errors import InputError, LlamaError, ModelFileError, ResourceError
 from specquant_cli.family import manifest as fam
 from specquant_cli.family.ggufio import GGUFInfo, NotExact, f16_of_bf16, read_info
-from specquant_cli.family.roles import RENDERINGS
+from specquant_cli.family.own import LOSSLESS_NOTE, OWN_TYPE, check_base, own_record, parent_type
+from specquant_cli.family.roles import OWN, RENDERINGS
 from specquant_cli.family.variants import QUANT_TYPES, QuantType, variant_record  # noqa: F401  (QuantType: named here too)
 from specquant_cli.fsutil import (
     check_folder_writable,
@@ -126,13 +127,6 @@ def estimate_bytes(info: GGUFInfo, q: QuantType) -> int:
     return int(info.n_params * q.bpw / 8 * 1.10) + (16 << 20)
 
 
-def check_base(info: GGUFInfo, allow_requantize: bool) -> None:
-    if not info.is_float and not allow_requantize:
-        raise ModelFileError(
-            f"{info.path}: base is already quantized ({info.weight_type}); quantizing it again loses quality"
-            " on top of the first quantization. Use an F16/BF16/F32 base, or pass --allow-requantize")
-
-
 def check_disk(out_dir: Path, needed: int) -> None:
     free = shutil.disk_usage(out_dir).free
     if needed > free:
@@ -200,18 +194,25 @@ class Step:
 
 
 def base_rendering(info: GGUFInfo) -> Optional[str]:
-    """The rendering a float base is itself: `f16` for an F16 base, `bf16` for a BF16 one; None for F32 (or a
-    quantized base), which every 16-bit rendering would round."""
-    return {"F16": "f16", "BF16": "bf16"}.get(info.weight_type) if info.is_float else None
+    """The rendering a base is itself: `f16` for an F16 base, `bf16` for a BF16 one, `own` for a quantized one (the
+    parent as it is); None for F32, which every 16-bit rendering would round."""
+    if not info.is_float:
+        return OWN
+    return {"F16": "f16", "BF16": "bf16"}.get(info.weight_type)
 
 
-def default_types(info: GGUFInfo) -> list[QuantType]:
+def default_types(info: GGUFInfo, allow_requantize: bool = False) -> list[QuantType]:
     """`quantize`'s types when none are given: the standard drafts and the parent's renderings this base has
     exactly — an F16 base is kept F16 (never rounded to BF16), a BF16 base is kept BF16 and given an F16
-    rendering too when that is exact (quantize_family's `f16_if_exact`), an F32 base is rounded to F16."""
+    rendering too when that is exact (quantize_family's `f16_if_exact`), an F32 base is rounded to F16. A quantized
+    base is the parent as it is (`own`), with, under `allow_requantize`, the standard drafts of fewer bits per weight
+    than it has (quantize_family adds its own step to any types)."""
     from specquant_cli.family.variants import DEFAULT_TYPES
 
     drafts = [n for n in DEFAULT_TYPES if QUANT_TYPES[n].role not in RENDERINGS]
+    if not info.is_float:
+        bpw = info.path.stat().st_size * 8 / max(1, info.n_params)
+        return [QUANT_TYPES[n] for n in drafts if allow_requantize and QUANT_TYPES[n].bpw < bpw * 0.9]
     extra = ["bf16", "f16"] if base_rendering(info) == "bf16" else ["f16"]
     return [QUANT_TYPES[n] for n in (*drafts, *extra)]
 
@@ -222,6 +223,8 @@ def check_renderings(info: GGUFInfo, types: Sequence[QuantType]) -> None:
     output would depend on which one this machine picks)."""
     asked = [q.name for q in types if q.name in RENDERINGS]
     own = base_rendering(info)
+    if own == OWN:
+        return  # check_base: a quantized base gets no 16-bit rendering
     if own == "f16" and "bf16" in asked:
         raise InputError(f"--types bf16: the base {info.path} is F16; rounding it to BF16 would change its weights "
                          "(BF16 keeps 8 significant bits, F16 11), so an F16 base is never rounded: leave bf16 out")
@@ -406,8 +409,11 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
     warn = warn or fam.silent
     base = Path(base)
     info = read_info(base)
-    check_base(info, allow_requantize)
+    check_base(info, types, allow_requantize)
     check_renderings(info, types)
+    if base_rendering(info) == OWN and OWN_TYPE not in types:  # a quantized base is always its family's parent
+        types = [*types, OWN_TYPE]
+        notes = {**(notes or {}), "parent": LOSSLESS_NOTE.format(file=base.name, type=parent_type(info))}
     if not 0 <= threads <= MAX_THREADS:
         raise InputError(f"--threads {threads}: must be between 0 (all cores) and {MAX_THREADS}")
     out_dir = check_folder_writable(Path(out_dir), out_label, create=True)
@@ -458,8 +464,10 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
                 tmp = next((t for t, st in staged if st is s), None)
                 of_base = s.q.name == base_rendering(info) and s.action in ("keep", "place")
                 sha = base_sha if of_base else None
-                variants[s.q.role] = variant_record(tmp or s.dst, s.q.name, s.q.role, info.n_params, s.dst.name,
-                                                    now if tmp else None, sha)
+                kind = parent_type(info).lower() if s.q is OWN_TYPE else s.q.name
+                variants[s.q.role] = variant_record(tmp or s.dst, kind, s.q.role, info.n_params, s.dst.name,
+                                                    now if tmp else None, sha,
+                                                    own_record(tmp or s.dst, info) if s.q is OWN_TYPE else None)
             own = next((s for s in steps if s.q.name == base_rendering(info) and s.action in ("keep", "place")), None)
             base_file = own.dst.name if own else str(base)
             manifest = build_manifest(old, same_base, stem, info, base_file, base_sha, base.stat().st_size, variants,

@@ -3,8 +3,9 @@ makes a valid role name.
 
 A role names one variant of a family (one GGUF file), or the parent: `parent` generates and verifies, every
 other role may draft for it. The parent is no file of its own: it is one of the family's *renderings* — the base's
-weights written exactly at 16 bits, as F16 (`f16`) or BF16 (`bf16`) — the one this machine computes fastest,
-chosen once per session (`system.renderings.decide`) and bound to the family (`Family.bind`).
+weights written exactly at 16 bits, as F16 (`f16`) or BF16 (`bf16`), or, for a family made from a quantized GGUF
+(`quantize my-model-Q8_0.gguf`), that file unchanged (`own`) — the one this machine computes fastest, chosen once
+per session (`system.renderings.decide`) and bound to the family (`Family.bind`).
 
 The set is open — `quantize --grade BPW --role NAME` adds any role — so the
 names below are the ones the built-in policies and drafters know, not a closed list.
@@ -34,7 +35,10 @@ from specquant_cli.family.variants import QUANT_TYPES, RECIPES
 
 Role = str
 PARENT_ROLE: Role = "parent"  # generates, verifies, and is the reference every lossless policy matches
-RENDERINGS: tuple[Role, ...] = ("f16", "bf16")  # the base's exact 16-bit renderings; one of them is the parent
+OWN: Role = "own"  # a quantized GGUF the user runs (Q8_0, Q6_K, ...) as the parent, kept as it is
+FLOAT_RENDERINGS: tuple[Role, ...] = ("f16", "bf16")  # the base's exact 16-bit renderings (a demo family has both)
+# The parent's files: the base's exact 16-bit renderings, or the user's quantized file itself; one of them is the parent
+RENDERINGS: tuple[Role, ...] = (*FLOAT_RENDERINGS, OWN)
 STANDARD_DRAFTS: tuple[Role, ...] = ("q4", "q8")  # made by `pull` / `quantize` for every family
 BUILTIN_ROLES: tuple[Role, ...] = (PARENT_ROLE, *STANDARD_DRAFTS)  # a complete demo family has these
 RESERVED: tuple[str, ...] = (PARENT_ROLE, *RENDERINGS, *STANDARD_DRAFTS)  # `quantize --role` cannot take these

@@ -21,7 +21,7 @@ from typing import Optional
 
 from specquant_cli.errors import InputError
 from specquant_cli.family import manifest as fam
-from specquant_cli.family.ggufio import GGUFInfo, read_info
+from specquant_cli.family.ggufio import GGUFInfo, read_info, split_problem
 from specquant_cli.family.roles import PARENT_ROLE, RESERVED, ROLE_RE, ROLE_RULE, builtin_draft_roles
 from specquant_cli.family.variants import QUANT_TYPES, variant_record
 from specquant_cli.family.vocab import read_vocab, vocab_difference
@@ -56,6 +56,8 @@ def check_sibling(parent: Path, draft: Path) -> GGUFInfo:
     InputError (one line) else."""
     draft = Path(draft)
     info = read_info(draft)  # ModelFileError: missing, not a GGUF, truncated or corrupt
+    if split_problem(info):
+        raise InputError(f"--draft-model {split_problem(info)}")
     why = vocab_difference(read_vocab(parent), read_vocab(draft), "sibling")
     if why:
         raise InputError(f"--draft-model {draft}: not the parent's vocabulary ({why}); a draft must speak it exactly")

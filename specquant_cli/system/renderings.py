@@ -20,6 +20,7 @@ from typing import Optional
 
 from specquant_cli.errors import FamilyError, InputError
 from specquant_cli.family.manifest import Family
+from specquant_cli.family.roles import OWN
 from specquant_cli.system import calibration_file as cal
 from specquant_cli.system.calibration import PREFILL_TOKENS
 
@@ -29,7 +30,7 @@ BF16_FEATURES = {"AVX512_BF16": "avx512_bf16", "AMX_BF16": "amx_bf16", "ARM_BF16
 
 @dataclass(frozen=True)
 class ParentChoice:
-    rendering: str  # f16 | bf16
+    rendering: str  # f16 | bf16 | own
     why: str  # one line, for doctor, calibrate and bench
     source: str  # flag | family | machine (as settings name their sources)
     comparison: Optional[dict] = None  # the stored timings the choice was made from, if any
@@ -72,13 +73,18 @@ def decide(family: Family, wanted: str = "fastest", facts=None, threads: Optiona
     """The parent's rendering for a session on this machine (see the module's docstring)."""
     have = family.renderings()
     if not have:
-        raise FamilyError(f"family {family.name} has no parent (no f16 or bf16 variant); see specquant doctor "
+        raise FamilyError(f"family {family.name} has no parent (no f16, bf16 or own variant); see specquant doctor "
                           f"--family {family.root}")
     if wanted != "fastest":
         if wanted not in have:
             raise InputError(f"--parent {wanted}: the family {family.name} has no {wanted} rendering (it has: "
                              f"{', '.join(have)})")
         return ParentChoice(wanted, f"{wanted}, as asked (--parent)", "flag")
+    if have == [OWN]:
+        v = family.manifest["variants"][OWN]
+        kind = v.get("file_type") or v.get("type")
+        return ParentChoice(OWN, f"own: the quantized file {v.get('path')} ({kind}) as it is, so output is lossless "
+                            "relative to the file you run", "family")
     if len(have) == 1:
         return ParentChoice(have[0], f"{have[0]}, the family's only rendering of its base", "family")
     if facts is None:
