@@ -149,9 +149,13 @@ class ChatSession:
         costs = rt.calibration(measure=measure)
         if costs is not None and batch > 1:
             costs = costs.for_batch(batch)
-        ctx = PlanContext(name, route.tier, copy_potential(tokens), rt.plannable_roles(), costs, len(tokens),
-                          answer_tokens)
-        return route, plan_for(name, route.tier, ctx, planner)
+        left = rt.unfit_roles()
+        roles = tuple(r for r in rt.family.roles() if r not in left)
+        ctx = PlanContext(name, route.tier, copy_potential(tokens), roles, costs, len(tokens), answer_tokens)
+        plan = plan_for(name, route.tier, ctx, planner)
+        if left:
+            plan = replace(plan, left_out=tuple({"role": r, "why": f"does not fit: {why}"} for r, why in left.items()))
+        return route, plan
 
     def messages(self, text: str) -> list[dict]:
         sys_msg = [{"role": "system", "content": self.system}] if self.system else []
@@ -198,6 +202,7 @@ class ChatSession:
         prompt = model.tokenize(raw_prompt, add_bos=model.add_bos()) if raw_prompt is not None \
             else model.chat_prompt(messages, tools)
         limit = max_tokens or self.max_tokens
+        self.runtime.pool.release_idle()  # a draft no plan has used for a while goes (runtime.pool.IDLE_RELEASE_S)
         route, plan = self.plan(route_text, policy, prompt, answer_tokens=limit)
         answer = Answer(route_text, route, plan, route_s=time.perf_counter() - t0)
         engine = self.runtime.engine(plan, sampling or self.sampling, position=len(prompt), scope=scope,

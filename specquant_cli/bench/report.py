@@ -58,7 +58,7 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
             "tiers": {t: round(sum(r.tier == t for r in rs) / len(rs), 3) for t in ("low", "medium", "high")},
             "accuracy": round(sum(correct) / len(correct), 4) if correct else None,
             "accuracy_n": len(correct),
-            "peak_rss_mb": max(r.rss_mb for r in rs),
+            "peak_rss_mb": max(r.peak_rss_mb or r.rss_mb for r in rs),
             "parent_prefill_share": round(sum(r.parent_prefill_s for r in rs)
                                           / max(1e-9, sum(r.total_s for r in rs)), 3),
             "time_split": {"prefill": round(sum(r.prefill_s for r in rs) / busy, 3),

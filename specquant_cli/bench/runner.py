@@ -44,7 +44,7 @@ class Record:
     finish_reason: str
     identical: Optional[bool]  # greedy tokens equal parent's (None: not greedy or no reference run)
     correct: Optional[bool]  # final answer equals the reference's (None: no reference)
-    rss_mb: float
+    rss_mb: float  # resident size after the runs
     text: str
     tokens: list[int] = field(default_factory=list)  # the answer's token ids: what fidelity re-scores
     fidelity: Optional[str] = None  # identical / near-tie / unexplained (bench.fidelity); None: not judged
@@ -54,15 +54,10 @@ class Record:
     structured: bool = False  # held to a form (a schema, json_object or tool calls)
     forced: int = 0  # tokens its grammar forced, proposed at no draft cost
     forced_accepted: int = 0
+    peak_rss_mb: float = 0.0  # the process's peak resident size during this policy's runs (system.memory)
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _rss_mb() -> float:
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
 
 
 def warm_up(runtime: Runtime, roles: Sequence[str], runs: int) -> None:
@@ -82,37 +77,57 @@ REFERENCE = "parent-f16"  # the F16 rendering alone, beside a parent of another 
 
 def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Sequence[str], max_tokens: int,
         sp: SamplingParams, repeats: int = 1, warmup: int = 1,
-        progress: Optional[Callable[[Record], None]] = None, reference: Optional[Runtime] = None) -> list[Record]:
-    """Every policy on every item, interleaved per item. `reference`: a runtime whose parent is the F16
-    rendering, run alone after each item's policies as the REFERENCE row (when the parent serving is BF16)."""
-    from specquant_cli.routing.policies import all_roles, policy_spec
+        progress: Optional[Callable[[Record], None]] = None) -> list[Record]:
+    """Every policy on every item, interleaved per item, each with only its own models loaded (`hold`), its peak
+    resident size measured over its runs."""
+    from specquant_cli.routing.policies import policy_spec
 
-    roles = all_roles(list(policies))
-    runtime.pool.ensure(roles)
-    warm_up(runtime, roles, warmup)
-    if reference is not None:
-        reference.pool.ensure([PARENT_ROLE])
-        warm_up(reference, [PARENT_ROLE], warmup)
     if any(policy_spec(p).planner is not None for p in policies):
         runtime.calibration()  # measured (once per machine) before anything is timed
-        warm_up(runtime, runtime.load_planner_drafts(), warmup)  # every draft it may pick, before the clock
     forms = compile_forms(runtime, items)
     records: list[Record] = []
     for item in items:
         parent_tokens = None
         for policy in policies:  # interleaved: machine drift hits every policy alike
+            hold(runtime, policy, warmup)
             records.append(_timed_runs(runtime, router, item, policy, sp, max_tokens, repeats, parent_tokens,
                                        forms.get(item.id)))
             if policy == "parent":
                 parent_tokens = records[-1].tokens
             if progress:
                 progress(records[-1])
-        if reference is not None:
-            records.append(replace(_timed_runs(reference, router, item, "parent", sp, max_tokens, repeats,
-                                               parent_tokens, forms.get(item.id)), policy=REFERENCE))
-            if progress:
-                progress(records[-1])
     return records
+
+
+def run_reference(reference: Runtime, router: Router, items: Sequence[Item], records: Sequence[Record],
+                  max_tokens: int, sp: SamplingParams, repeats: int = 1, warmup: int = 1,
+                  progress: Optional[Callable[[Record], None]] = None) -> list[Record]:
+    """The REFERENCE rows: `reference`, a runtime whose parent is the F16 rendering, alone on every item, after the
+    other runs (and after their models are released: the bench holds one rendering of the parent at a time), each
+    answer compared with the parent's of the same item in `records`."""
+    parents = {r.item: r.tokens for r in records if r.policy == "parent"}
+    hold(reference, "parent", warmup)
+    forms = compile_forms(reference, items)
+    out = []
+    for item in items:
+        out.append(replace(_timed_runs(reference, router, item, "parent", sp, max_tokens, repeats,
+                                       parents.get(item.id), forms.get(item.id)), policy=REFERENCE))
+        if progress:
+            progress(out[-1])
+    return out
+
+
+def hold(runtime: Runtime, policy: str, warmup: int, plan: Sequence[str] = ()) -> None:
+    """Only what `policy` loads (routing.policies.all_roles) and the roles of its `plan` for the next prompt (a
+    planner's) stay loaded: the others are released, the missing ones loaded and warmed up. The parent stays
+    throughout (every answer is judged against it), so a lossy model's figure includes it."""
+    from specquant_cli.routing.policies import all_roles
+
+    want = list(dict.fromkeys([PARENT_ROLE, *all_roles([policy]), *plan]))
+    runtime.pool.release([r for r in runtime.pool.loaded() if r not in want])
+    new = [r for r in want if r not in runtime.pool.loaded()]
+    runtime.pool.ensure(want)
+    warm_up(runtime, new, warmup)
 
 
 def compile_forms(runtime: Runtime, items: Sequence[Item]) -> dict:
@@ -137,23 +152,41 @@ def _timed_runs(runtime: Runtime, router: Router, item: Item, policy: str, sp: S
                 repeats: int, parent_tokens, form=None) -> Record:
     """One policy's record on one item: `repeats` runs, each from empty caches (it pays its own prefill, like a
     fresh request), the last one's tokens compared with the parent's. `form`: the item's structured output."""
+    from specquant_cli.system import memory
+
     session = ChatSession(runtime, router, policy, sp, max_tokens)
     if form is not None:
         session.grammar, session.tools = form.grammar, form.tools
+    _load_plan(session, item, max_tokens)
     runs = []
+    memory.reset_peak()
     for _ in range(max(1, repeats)):
         runtime.reset_caches()
         answer, recs = session.ask(item.prompt, remember=False)
         runs.append((answer, [r.token for r in recs if r.token is not None]))
+        if answer.last is not None and answer.last.finish_reason == "interrupted":
+            raise KeyboardInterrupt  # Ctrl-C or SIGTERM stops the bench, not just this answer
     answer, tokens = runs[-1]
     if policy == "parent" and parent_tokens is None:
         parent_tokens = tokens  # the parent's own run is its own reference
     rec = _record(item, policy, answer, tokens, runs, parent_tokens, sp)
+    rec.peak_rss_mb = round(memory.peak_bytes() / 2**20, 1)
     if form is not None and form.grammar is not None:
         rec.structured = True
         finished = answer.last is not None and answer.last.finish_reason == "stop"  # not cut by --max-tokens
         rec.valid = form.grammar.validate(answer.text) is None if finished else None
     return rec
+
+
+def _load_plan(session: ChatSession, item: Item, max_tokens: int) -> None:
+    """A planner's policy holds the models its plan for this item uses, loaded and warmed up before the clock, and no
+    other draft (`hold`): the draft it picks moves with the prompt and with what it has measured."""
+    if session.runtime.planner(session.policy) is None:
+        return
+    model = session.runtime.tokenizer()
+    prompt = model.chat_prompt(session.messages(item.prompt), session.tools)
+    _, plan = session.plan(item.prompt, session.policy, prompt, answer_tokens=max_tokens)
+    hold(session.runtime, session.policy, 1, plan.roles)
 
 
 def _tps(policy: str, answer) -> float:
@@ -165,6 +198,8 @@ def _tps(policy: str, answer) -> float:
 
 
 def _record(item: Item, policy: str, answer, tokens, runs, parent_tokens, sp) -> Record:
+    from specquant_cli.system import memory
+
     s = answer.last
     identical = None
     if sp.greedy and parent_tokens is not None:
@@ -180,7 +215,8 @@ def _record(item: Item, policy: str, answer, tokens, runs, parent_tokens, sp) ->
         prefill_s=s.prefill_s, parent_prefill_s=s.parent_prefill_s, draft_prefill_s=s.draft_prefill_s,
         kv_import_s=s.kv_import_s, kv_import=s.kv_import,
         draft_s=s.draft_s, verify_s=s.verify_s, drafted=s.drafted, accepted=s.accepted, parent_calls=s.parent_calls,
-        finish_reason=s.finish_reason, identical=identical, correct=correct, rss_mb=round(_rss_mb(), 1),
+        finish_reason=s.finish_reason, identical=identical, correct=correct,
+        rss_mb=round(memory.rss_bytes() / 2**20, 1),
         text=answer.text, tokens=list(tokens), levels=dict(s.levels), guard_stop=s.guard_stop, forced=s.forced,
         forced_accepted=s.forced_accepted)
 
@@ -191,6 +227,7 @@ def judge_fidelity(runtime: Runtime, router: Router, items: Sequence[Item], reco
     each judged record's `fidelity`. None for sampled runs or without the parent's answers to compare with."""
     if not sp.greedy or not any(r.policy == "parent" for r in records):
         return None
+    runtime.pool.release([r for r in runtime.pool.loaded() if r != PARENT_ROLE])  # the judge needs the parent alone
     ctx = runtime.pool.context(PARENT_ROLE)
     session = ChatSession(runtime, router, "parent", sp)  # renders a prompt exactly as the timed runs did
     forms = compile_forms(runtime, items)

@@ -63,7 +63,7 @@ def batch(
             check_policy(p, fam.roles())
         session.runtime.calibration()  # measured first when a planner needs it, never inside a run
         session.runtime.pool.ensure([r for p in names for r in _roles(p)])
-        session.runtime.load_planner_drafts()
+        session.runtime.load_planner_drafts(names)
         with err.status("bench batch") as status:
             runs = bench_batch.run(session, names, bs, holds, [i.prompt for i in items], max_tokens, repeats,
                                    cfg.serving.prefill_chunk, lambda what: status.update(f"bench batch: {what}"))

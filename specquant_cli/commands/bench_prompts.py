@@ -3,6 +3,7 @@ category (bench.report), every greedy answer judged against the parent's own (be
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Optional
@@ -45,14 +46,13 @@ def prompts(
 ) -> None:
     """Greedy (--temperature 0, the default) is what identical_rate and the fidelity proof need; --seed defaults
     to 0 here, so that a sampled bench repeats."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from specquant_cli.bench import datasets, fidelity, report, runner
     from specquant_cli.decoding.sampling import SamplingParams
     from specquant_cli.family.fetch import INFLATION_NOTE
     from specquant_cli.routing.policies import check_policy
     from specquant_cli.session import open_session
     from specquant_cli.settings import SessionSettings
+    from specquant_cli.system import memory
     from specquant_cli.system.hardware import detect
 
     # Everything that can be checked is checked before a model loads: a long run must not fail at its end.
@@ -70,41 +70,33 @@ def prompts(
     for p in names:
         check_policy(p, fam.roles())  # before a model loads
     err.print(f"parent: {fam.parent_why}", markup=False)
-    reference = None  # the F16 parent beside a parent of another rendering: the figure users know
-    if "f16" in fam.renderings() and fam.parent_rendering != "f16":
-        from specquant_cli.runtime import Runtime
-
-        reference = Runtime.open(fam.bind("f16", "the F16 reference"), n_ctx=runtime.pool.n_ctx,
-                                 threads=runtime.pool.threads, facts=facts, mmap=cfg.runtime.mmap)
+    # the F16 parent beside a parent of another rendering (the figure users know), run once the parent's own runs
+    # are done and their models released: the bench holds one rendering of the parent at a time
+    reference = "f16" in fam.renderings() and fam.parent_rendering != "f16"
     datasets.check_lengths(items, router.check_length)
     temperature, seed, n_ctx = cfg.decoding.temperature, cfg.decoding.seed or 0, cfg.runtime.ctx
     sp = SamplingParams(temperature=temperature, seed=seed)
     t0 = time.perf_counter()
-    total = len(items) * (len(names) + (reference is not None))
+    total = len(items) * (len(names) + reference)
     try:
-        if err.is_terminal:
-            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=err) as prog:
-                task = prog.add_task("bench", total=total)
-                records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup,
-                                     lambda r: prog.update(task, advance=1, description=f"{r.item} {r.policy}"),
-                                     reference)
-        else:  # a log file or a pipe: one line per run instead of a redrawn bar
-            done = [0]
+        with _progress(total, t0) as step:
+            records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup, step)
+            if reference:
+                runtime.pool.release(runtime.pool.loaded())  # one rendering of the parent at a time
+                from specquant_cli.runtime import Runtime
 
-            def line(r) -> None:
-                done[0] += 1
-                err.print(f"[{done[0]}/{total} {time.perf_counter() - t0:.0f}s] {r.item} {r.policy}: "
-                          f"{r.tokens_per_s:.2f} tok/s, {r.new_tokens} tokens", markup=False)
-
-            records = runner.run(runtime, router, items, names, max_tokens, sp, repeats, warmup, line, reference)
+                ref = Runtime.open(fam.bind("f16", "the F16 reference"), n_ctx=runtime.pool.n_ctx,
+                                   threads=runtime.pool.threads, facts=facts, mmap=cfg.runtime.mmap)
+                try:
+                    records += runner.run_reference(ref, router, items, records, max_tokens, sp, repeats, warmup,
+                                                    step)
+                finally:
+                    ref.close()
         with err.status("fidelity: re-scoring divergences from the parent one token at a time"):
-            judged = runner.judge_fidelity(runtime, router, items, records, sp)  # after the clock
+            judged = runner.judge_fidelity(runtime, router, items, records, sp)  # after the clock, the parent alone
     finally:
         runtime.close()
-        if reference is not None:
-            reference.close()
-    if reference is not None:
+    if reference:
         names = [*names[:1], runner.REFERENCE, *names[1:]]
     summary = report.summarize(records, names)
     sets = [*(["structured"] if structured else []), *map(str, dataset)] or ["builtin"]
@@ -118,6 +110,7 @@ def prompts(
                    "seed": seed, "repeats": repeats, "warmup": warmup, "gamma": cfg.decoding.gamma, "n_ctx": n_ctx,
                    "datasets": sets, "categories": cats, "limit": limit},
         "wall_s": round(time.perf_counter() - t0, 1),
+        "peak_rss_mb": max([r.peak_rss_mb for r in records] + [round(memory.peak_bytes() / 2**20, 1)]),
         "summary": summary,
         "by_category": report.by_category(records, names),
         "fidelity": judged,
@@ -127,6 +120,8 @@ def prompts(
     for line in report.levels_lines(summary)[1:]:  # acceptance and time per drafting level
         err.print(line, markup=False, soft_wrap=True)
     err.print(f"provenance: {fam.provenance}\ncaveat: {INFLATION_NOTE}", markup=False)
+    err.print(f"peak resident memory of the whole run: {rep['peak_rss_mb'] / 1024:.2f} GiB (per policy: the peak "
+              "column)", markup=False)
     if warning := fidelity.warning(judged):
         err.print(warning, markup=False, soft_wrap=True)  # one line, however long
     if "q4" not in names and "q4" in fam.roles():
@@ -137,3 +132,24 @@ def prompts(
         out_json(rep)
     if failure:
         raise failure
+
+
+@contextlib.contextmanager
+def _progress(total: int, t0: float):
+    """A callback that counts one finished run: a redrawn bar on a terminal, one line per run in a log or a pipe."""
+    if err.is_terminal:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err) as prog:
+            task = prog.add_task("bench", total=total)
+            yield lambda r: prog.update(task, advance=1, description=f"{r.item} {r.policy}")
+        return
+    done = [0]
+
+    def line(r) -> None:
+        done[0] += 1
+        err.print(f"[{done[0]}/{total} {time.perf_counter() - t0:.0f}s] {r.item} {r.policy}: "
+                  f"{r.tokens_per_s:.2f} tok/s, {r.new_tokens} tokens", markup=False)
+
+    yield line

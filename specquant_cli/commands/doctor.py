@@ -74,6 +74,8 @@ def doctor(
 
         c = cal.load(fam.root, cal.fingerprint(facts, cfg.runtime.threads, rpc_endpoints, parent=fam.parent_rendering))
         report["calibration"] = c.to_dict() if c else None
+        if not broken:
+            report["plans"] = _plans(facts, fam, c, n_ctx)
     remote = _rpc_report(rpc_endpoints, report.get("family") and fam, n_ctx)
     if remote:
         report["rpc"] = remote
@@ -94,6 +96,22 @@ def doctor(
 
         raise FamilyError(f"family {report['family']['name']}: {len(broken)} of {len(report['family']['variants'])} "
                           "variants broken: " + "; ".join(f"{role}: {why}" for role, why in broken.items()))
+
+
+def _plans(facts, fam, calibration, n_ctx: int) -> dict:
+    """The resident estimate of each plan the family can run (system.placement.plan_residents): the parent alone, a
+    planner's policy (auto) with the drafts this machine's calibration lets it use (Planner.usable; every draft until
+    it is calibrated), each draft beside the parent, each standard draft alone (lossy)."""
+    from specquant_cli.family.roles import STANDARD_DRAFTS, draft_roles
+    from specquant_cli.routing.policies import POLICIES
+    from specquant_cli.system.placement import plan_residents
+
+    drafts = draft_roles(fam.roles())
+    planned = {name: [PARENT_ROLE, *(spec.planner().usable(drafts, calibration) if calibration else drafts)]
+               for name, spec in POLICIES.items() if spec.planner is not None}
+    plans = {"parent": [PARENT_ROLE], **planned,
+             **{f"spec-{d}": [PARENT_ROLE, d] for d in drafts}, **{d: [d] for d in STANDARD_DRAFTS if d in drafts}}
+    return plan_residents(facts, fam, plans, n_ctx)
 
 
 def _rpc_report(endpoints: list[str], fam, n_ctx: int) -> Optional[dict]:
@@ -184,6 +202,8 @@ def _render(report: dict) -> None:
         err.print(f"provenance: {report['family']['provenance']}")
         if report.get("parent"):
             err.print(f"parent: {report['parent']['why']}", markup=False)
+        if report.get("plans"):
+            _render_plans(report["plans"], report["hardware"]["ram_available"])
         c = report.get("calibration")
         if c:
             calls = " · ".join(f"{n}: {s * 1000:.0f}" for n, s in c["parent_call_s"].items()
@@ -193,6 +213,16 @@ def _render(report: dict) -> None:
                       markup=False)
         else:
             err.print("calibration: none for this machine yet (specquant calibrate, or the first auto answer)")
+
+
+def _render_plans(plans: dict, available: int) -> None:
+    t = Table(title=f"resident estimate per plan (weights + KV cache + compute), RAM available {gib(available)}")
+    for col in ("plan", "models", "resident", "fits"):
+        t.add_column(col)
+    for name, p in plans.items():
+        t.add_row(name, ", ".join(p["roles"]), gib(p["bytes"]),
+                  "yes" if p["fits"] else "[red]no[/]: a planner does not pick it here")
+    err.print(t)
 
 
 def _render_build(t: Table, b: dict) -> None:

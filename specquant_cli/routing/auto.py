@@ -44,6 +44,9 @@ RECIPE_MARGIN = 1.03
 # prompt's copy potential, and each proposed token is kept with LEVEL2_ALPHA until the first miss (measured on
 # Spec-Bench, AMD EPYC: 62-70 %). Where the batch curve is measured it replaces the plain form of the draft.
 LEVEL2_ALPHA = 0.65
+# The prompt lengths (tokens) and the answer length over which usable_roles asks which drafts auto picks.
+USABLE_PROMPTS = (0, 128, 512)
+USABLE_ANSWER = 256
 
 
 def copy_potential(tokens: Sequence[int], n: int = 3) -> float:
@@ -164,7 +167,7 @@ def candidates(tier: str, copy: float, roles: Sequence[str], calibration=None,
     if calibration is not None and depth and hasattr(calibration, "at"):
         calibration = calibration.at(position)
     vc = calibration.verify_cost if calibration else verify_shape
-    out = [Candidate("parent", None, 1.0, 0, "the floor: F16 alone")]
+    out = [Candidate("parent", None, 1.0, 0, "the floor: the parent alone")]
     suffix = 1.0 / (copy / copy_gain(calibration) + (1.0 - copy))
     out.append(Candidate("suffix", "suffix", suffix, SUFFIX_GAMMA_MAX,
                          f"draft-free, nothing lost when nothing matches: copy potential {copy:.2f}"))
@@ -309,6 +312,27 @@ def choose(cands: list[Candidate]) -> Candidate:
     return max(ok, key=lambda c: (round(c.predicted, 3), "suffix" in c.name))  # ties: the free drafts too
 
 
+def usable_roles(roles: Sequence[str], calibration) -> tuple[str, ...]:
+    """The draft roles of `roles` auto's plans use for the common prompt, as `calibration` prices them: the roles of
+    every candidate that clears its bar for a prompt of no, half or full copy potential and of up to USABLE_PROMPTS[-1]
+    tokens (a draft's import or prefill of the prompt charged), answering USABLE_ANSWER tokens: what is loaded ahead.
+    A plan may still pick another draft (far into a long context the costs move, and what the session measures moves
+    the bars); that one loads when picked. On the AMD EPYC kind the 1.5B family's q8 (a step 0.86 of the parent's
+    call) and its sibling (held to q4's price) are not loaded ahead."""
+    from specquant_cli.decoding.registry import DRAFTERS
+
+    out: list[str] = []
+    for copy in (0.0, 0.5, 1.0):
+        for n in USABLE_PROMPTS:
+            position = n + USABLE_ANSWER // 2
+            for c in candidates("high", copy, roles, calibration, position=position, prompt_tokens=n,
+                                answer_tokens=USABLE_ANSWER):
+                spec = DRAFTERS.get(c.drafter) if c.drafter else None
+                if spec is not None and c.predicted >= c.needs:
+                    out += [r for r in spec.roles if r in roles]
+    return tuple(dict.fromkeys(out))
+
+
 class AutoPlanner:
     """The auto policy's planner (routing.plan.Planner): `plan` predicts every candidate from the context
     and runs the best; `observe` feeds the decode speedup an answer achieved (vs the calibrated parent step)
@@ -332,6 +356,9 @@ class AutoPlanner:
                     gamma_cap=SUFFIX_GAMMA_MAX if best.gamma_policy == "capped" else None,
                     candidates=tuple({"plan": c.name, "predicted_speedup": round(c.predicted, 3), "gamma": c.gamma,
                                       "why": c.why, "source": c.source} for c in cands), why=why)
+
+    def usable(self, roles: Sequence[str], calibration) -> tuple[str, ...]:
+        return usable_roles(roles, calibration)
 
     def observe(self, answer) -> None:
         cal, rec = self._calibration, answer.last

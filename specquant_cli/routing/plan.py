@@ -5,6 +5,7 @@ policy that decides per prompt (`Planner`, with what it sees: `PlanContext`). Th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional, Protocol
 
@@ -50,6 +51,11 @@ class Planner(Protocol):
 
     def observe(self, answer) -> None: ...
 
+    def usable(self, roles: Sequence[str], calibration) -> tuple[str, ...]:
+        """The draft roles of `roles` its plans can use on a machine of these measured costs: loaded ahead, the rest
+        left on disk (a plan that picks one after all loads it then)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -64,6 +70,7 @@ class Plan:
     lossy: bool = False
     gamma_cap: Optional[int] = None
     candidates: tuple = field(default=(), compare=False)  # a planner's predictions, best first
+    left_out: tuple = field(default=(), compare=False)  # roles a planner could not pick: ({"role", "why"}, ...)
     why: str = ""
 
     @property

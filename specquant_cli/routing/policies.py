@@ -15,7 +15,7 @@ from typing import Optional
 from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX
 from specquant_cli.decoding.registry import drafter_spec, parse_chain
 from specquant_cli.errors import InputError
-from specquant_cli.family.roles import PARENT_ROLE, RENDERINGS, STANDARD_DRAFTS, is_role_name
+from specquant_cli.family.roles import PARENT_ROLE, RENDERINGS, is_role_name
 from specquant_cli.names import TIERS, Tier
 from specquant_cli.routing.plan import GammaPolicyKind, Plan, PlanContext, Planner
 from specquant_cli.settings import PolicyTable, register_policy_table
@@ -27,8 +27,9 @@ class PolicySpec:
     decoding.registry.DRAFTERS (None: the target alone); by_tier: drafter per routed tier, overriding
     `drafter` (the paper's mapping); gamma_policy: how the draft length is chosen (GammaPolicyKind), up to
     gamma_cap for "capped"; lossy: the output is not the parent's; in_bench: part of `specquant bench`'s
-    default set; planner: a factory of the `Planner` that decides per prompt instead of the row; roles: the
-    roles that planner may pick (loaded up front by the bench)."""
+    default set; planner: a factory of the `Planner` that decides per prompt instead of the row (the drafts it
+    may pick are its own to name: `Planner.usable`, loaded by `Runtime.load_planner_drafts`); roles: further roles
+    the policy loads up front."""
 
     name: str
     help: str
@@ -86,7 +87,7 @@ for _spec in (
                "`chain-<sibling>-<draft>` where that makes the draft's step cheaper, and `suffix+` each); never one "
                "predicted below "
                "1.0x, and an answer whose drafting runs below the parent's rate goes on with the parent alone",
-               planner=_auto_planner, roles=STANDARD_DRAFTS),
+               planner=_auto_planner),
     PolicySpec("paper", "low → `q4` drafts, the parent verifies; medium → `q8` drafts, the parent verifies; high → "
                "the parent alone",
                by_tier={"low": "q4", "medium": "q8", "high": None}),
@@ -173,7 +174,9 @@ def plan_for(policy: str, tier: Optional[Tier], context: Optional[PlanContext] =
 
 
 def all_roles(policies: list[str]) -> list[str]:
-    """Every role any of `policies` may load, over every tier: the parent first, then the drafts by name."""
+    """Every role any of `policies` loads up front, over every tier: the parent first, then the drafts by name. A
+    planner's drafts are not among them: it picks among the family's roles that fit, and names those this machine's
+    costs let it use (Planner.usable, loaded by Runtime.load_planner_drafts)."""
     out = {r for p in policies for t in TIERS for r in plan_for(p, t).roles}
     out |= {r for p in policies for r in policy_spec(p).roles}
     return [PARENT_ROLE, *sorted(out - {PARENT_ROLE})]

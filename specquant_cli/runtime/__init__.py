@@ -12,6 +12,7 @@ plan asks for. A serving slot is a Runtime over a view of a shared pool (serving
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 from specquant_cli.backend.llama import Model
@@ -26,7 +27,7 @@ from specquant_cli.routing.plan import Plan, Planner
 from specquant_cli.routing.policies import policy_spec
 from specquant_cli.runtime.costs import CostModel
 from specquant_cli.runtime.drafters import DrafterCache
-from specquant_cli.runtime.pool import ModelPool, Models, plannable_roles
+from specquant_cli.runtime.pool import ModelPool, Models, plannable_roles, unfit_roles
 from specquant_cli.settings import DEFAULT_DRAFT_MEMORY_MIB, DEFAULT_GAMMA, DEFAULT_RPC_TIMEOUT_S
 
 __all__ = ["Runtime"]
@@ -83,15 +84,27 @@ class Runtime:
         """The family's roles a planner may pick now (runtime.pool.plannable_roles)."""
         return plannable_roles(self.pool)
 
-    def load_planner_drafts(self) -> list[str]:
-        """Load every calibrated draft a planner may pick (those that fit), so that none loads mid-answer;
-        returns the ones loaded now."""
+    def unfit_roles(self) -> dict[str, str]:
+        """The family's roles a planner may not pick now, each with why (runtime.pool.unfit_roles)."""
+        return unfit_roles(self.pool)
+
+    def planner_drafts(self, policies: Sequence[str]) -> tuple[str, ...]:
+        """The calibrated draft roles the planners of `policies` can use on this machine (Planner.usable): what
+        they load ahead. None without a calibration."""
         c = self.calibration(measure=False)
+        if not c:
+            return ()
+        measured = [r for r in self.pool.draft_roles if r in c.draft_step_s]
+        out = [r for p in policies if (pl := self.planner(p)) is not None for r in pl.usable(measured, c)]
+        return tuple(dict.fromkeys(out))
+
+    def load_planner_drafts(self, policies: Sequence[str]) -> list[str]:
+        """Load the calibrated drafts the planners of `policies` can use (those that fit), so that none loads
+        mid-answer; a draft no plan of theirs can pay with stays on disk. Returns the ones loaded now."""
         loaded = self.pool.loaded()
-        new = [r for r in self.pool.draft_roles if c and r in c.draft_step_s and r not in loaded]
         done = []
-        for r in new:
-            if r in self.plannable_roles():
+        for r in self.planner_drafts(policies):
+            if r not in loaded and r in self.plannable_roles():
                 self.pool.ensure([r])
                 done.append(r)
         return done

@@ -3,6 +3,7 @@ first, kept loaded until released; one llama.cpp context per loaded role."""
 
 from __future__ import annotations
 
+import time
 from typing import Optional, Protocol
 
 from specquant_cli.backend.llama import Context, Model, check_same_vocab
@@ -11,6 +12,10 @@ from specquant_cli.errors import ResourceError
 from specquant_cli.family.manifest import Family
 from specquant_cli.family.roles import PARENT_ROLE
 from specquant_cli.settings import DEFAULT_RPC_TIMEOUT_S
+
+# A draft no plan has used for this long is released (its weights and KV cache; the next plan that picks it loads it
+# again, from the page cache when the machine has room): ollama unloads an idle model after 5 minutes too.
+IDLE_RELEASE_S = 300.0
 
 
 class Models(Protocol):
@@ -28,7 +33,9 @@ class Models(Protocol):
     def ensure(self, roles: list[str]) -> None: ...
     def context(self, role: str) -> TokenContext: ...
     def fits(self, roles: list[str]) -> bool: ...
+    def fit_problem(self, roles: list[str]) -> Optional[str]: ...
     def release(self, roles: list[str]) -> None: ...
+    def release_idle(self, idle_s: float = ...) -> list[str]: ...
     def reset_caches(self) -> None: ...
     def close(self) -> None: ...
 
@@ -56,6 +63,7 @@ class ModelPool:
         self._ctx: dict[str, Context] = {}
         self._vocab: Optional[Model] = None
         self._workers = None  # the RPC workers as last probed
+        self._used: dict[str, float] = {}  # role -> when a plan last asked for it (time.monotonic)
 
     @property
     def facts(self):
@@ -82,6 +90,8 @@ class ModelPool:
 
     def ensure(self, roles: list[str]) -> None:
         """Load what `roles` need, refusing first (with numbers) a set that does not fit."""
+        now = time.monotonic()
+        self._used.update((r, now) for r in roles)
         missing = [r for r in roles if r not in self._ctx]
         if not missing:
             return
@@ -108,11 +118,15 @@ class ModelPool:
 
     def fits(self, roles: list[str]) -> bool:
         """Whether `roles` (the parent first) fit where they would run (system.placement)."""
+        return self.fit_problem(roles) is None
+
+    def fit_problem(self, roles: list[str]) -> Optional[str]:
+        """Why `roles` (the parent first) do not fit where they would run, with the numbers; None when they do."""
         try:
             self._require_fit(roles)
-            return True
-        except ResourceError:
-            return False
+            return None
+        except ResourceError as e:
+            return str(e)
 
     def _require_fit(self, roles: list[str]):
         """The placement check; with RPC workers the parent is checked against their free memory (probed now:
@@ -150,6 +164,13 @@ class ModelPool:
             if ctx is not None:
                 ctx.model.close()
 
+    def release_idle(self, idle_s: float = IDLE_RELEASE_S) -> list[str]:
+        """Release the drafts no plan has asked for in `idle_s` seconds (the parent stays); returns them."""
+        now = time.monotonic()
+        idle = [r for r in self._ctx if r != PARENT_ROLE and now - self._used.get(r, now) > idle_s]
+        self.release(idle)
+        return idle
+
     def reset_caches(self) -> None:
         """Empty every KV cache (the bench's fresh-request state)."""
         for c in self._ctx.values():
@@ -166,6 +187,17 @@ class ModelPool:
 
 def plannable_roles(pool: Models) -> tuple[str, ...]:
     """The family's roles a planner may pick now: loaded, or a draft that fits beside what is loaded."""
+    left = unfit_roles(pool)
+    return tuple(r for r in pool.family.roles() if r not in left)
+
+
+def unfit_roles(pool: Models) -> dict[str, str]:
+    """The family's roles a planner may not pick now, each with why: a draft that does not fit beside what is
+    loaded (system.placement's numbers), or one a serving slot has no view of."""
     loaded = pool.loaded()
     base = [PARENT_ROLE, *(r for r in loaded if r != PARENT_ROLE)]
-    return tuple(r for r in pool.family.roles() if r in base or pool.fits([*base, r]))
+    out = {}
+    for r in pool.family.roles():
+        if r not in base and (why := pool.fit_problem([*base, r])) is not None:
+            out[r] = why
+    return out

@@ -241,7 +241,7 @@ def build_service(family, cfg: Settings, opts: ServeOptions, report=None, facts=
             # now rather than during the first request.
             session.plan(WARM_UP_TEXT, name)
         if any(policy_spec(p).planner is not None for p in [opts.policy, *opts.policies]):
-            runtime.load_planner_drafts()  # the drafts auto may pick (recipe roles too), not during a request
+            runtime.load_planner_drafts([opts.policy, *opts.policies])  # the drafts auto can use, before a request
         slots = Slots(runtime, opts.parallel, opts.prefill_chunk) if opts.parallel > 1 else None
         prefixes = share_prefixes(runtime, slots, opts, report)
         return Service(family, runtime, session, opts, slots, prefixes)

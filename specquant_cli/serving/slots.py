@@ -76,8 +76,15 @@ class SlotPool:
     def fits(self, roles: list[str]) -> bool:
         return all(r in self._views for r in roles)
 
+    def fit_problem(self, roles: list[str]) -> Optional[str]:
+        missing = [r for r in roles if r not in self._views]
+        return f"{', '.join(missing)} not loaded for concurrent serving" if missing else None
+
     def release(self, roles: list[str]) -> None:
         pass  # the pool's models stay loaded for every slot
+
+    def release_idle(self, idle_s: float = 0.0) -> list[str]:
+        return []  # every slot's views stay (what concurrent serving loads, it loads at its start)
 
     def reset_caches(self) -> None:
         for view in self._views.values():

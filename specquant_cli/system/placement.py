@@ -117,3 +117,14 @@ def require_fit(facts: Facts, fam, roles: list[str], n_ctx: int, reserve: int = 
         raise ResourceError(f"{what}{with_} need ~{ram / 2**30:.2f} GiB of RAM, "
                             f"{facts.ram_available / 2**30:.2f} GiB available" + (f"; {hint}" if hint else ""))
     return pl
+
+
+def plan_residents(facts: Facts, fam, plans: Mapping[str, list[str]], n_ctx: int) -> dict:
+    """What each plan keeps resident, estimated (every model's weights, its KV cache for `n_ctx` positions and its
+    compute buffers), beside the RAM this machine has available: name -> {"roles", "bytes", "fits"}. A plan that does
+    not fit is one a planner does not pick here (runtime.pool.unfit_roles)."""
+    out = {}
+    for name, roles in plans.items():
+        n = sum(need(fam, r, n_ctx).total for r in roles)
+        out[name] = {"roles": list(roles), "bytes": n, "fits": fits_ram(facts, n)}
+    return out
