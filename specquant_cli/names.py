@@ -22,6 +22,7 @@ SOURCES: tuple[str, ...] = get_args(Source)
 # A family folder's own files, besides its models: the manifest, the one a commit replaced, the commit journal,
 # one that did not check out, the lock.
 MANIFEST = "manifest.json"
+CALIBRATION = "calibration.json"  # a family's stored calibrations (system.calibration_file)
 PREV_MANIFEST = MANIFEST + ".prev"
 JOURNAL = ".specquant-commit.json"
 UNUSABLE_JOURNAL = JOURNAL + ".unusable"

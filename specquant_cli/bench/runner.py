@@ -91,7 +91,7 @@ def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Seque
         for policy in policies:  # interleaved: machine drift hits every policy alike
             hold(runtime, policy, warmup)
             records.append(_timed_runs(runtime, router, item, policy, sp, max_tokens, repeats, parent_tokens,
-                                       forms.get(item.id)))
+                                       forms.get(item.id), warmup))
             if policy == "parent":
                 parent_tokens = records[-1].tokens
             if progress:
@@ -149,7 +149,7 @@ def compile_forms(runtime: Runtime, items: Sequence[Item]) -> dict:
 
 
 def _timed_runs(runtime: Runtime, router: Router, item: Item, policy: str, sp: SamplingParams, max_tokens: int,
-                repeats: int, parent_tokens, form=None) -> Record:
+                repeats: int, parent_tokens, form=None, warmup: int = 1) -> Record:
     """One policy's record on one item: `repeats` runs, each from empty caches (it pays its own prefill, like a
     fresh request), the last one's tokens compared with the parent's. `form`: the item's structured output."""
     from specquant_cli.system import memory
@@ -157,10 +157,10 @@ def _timed_runs(runtime: Runtime, router: Router, item: Item, policy: str, sp: S
     session = ChatSession(runtime, router, policy, sp, max_tokens)
     if form is not None:
         session.grammar, session.tools = form.grammar, form.tools
-    _load_plan(session, item, max_tokens)
     runs = []
     memory.reset_peak()
     for _ in range(max(1, repeats)):
+        _load_plan(session, item, max_tokens, warmup)  # the plan may change between repeats (the planner learns)
         runtime.reset_caches()
         answer, recs = session.ask(item.prompt, remember=False)
         runs.append((answer, [r.token for r in recs if r.token is not None]))
@@ -178,7 +178,7 @@ def _timed_runs(runtime: Runtime, router: Router, item: Item, policy: str, sp: S
     return rec
 
 
-def _load_plan(session: ChatSession, item: Item, max_tokens: int) -> None:
+def _load_plan(session: ChatSession, item: Item, max_tokens: int, warmup: int) -> None:
     """A planner's policy holds the models its plan for this item uses, loaded and warmed up before the clock, and no
     other draft (`hold`): the draft it picks moves with the prompt and with what it has measured."""
     if session.runtime.planner(session.policy) is None:
@@ -186,7 +186,7 @@ def _load_plan(session: ChatSession, item: Item, max_tokens: int) -> None:
     model = session.runtime.tokenizer()
     prompt = model.chat_prompt(session.messages(item.prompt), session.tools)
     _, plan = session.plan(item.prompt, session.policy, prompt, answer_tokens=max_tokens)
-    hold(session.runtime, session.policy, 1, plan.roles)
+    hold(session.runtime, session.policy, warmup, plan.roles)
 
 
 def _tps(policy: str, answer) -> float:

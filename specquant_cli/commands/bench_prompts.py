@@ -110,7 +110,7 @@ def prompts(
                    "seed": seed, "repeats": repeats, "warmup": warmup, "gamma": cfg.decoding.gamma, "n_ctx": n_ctx,
                    "datasets": sets, "categories": cats, "limit": limit},
         "wall_s": round(time.perf_counter() - t0, 1),
-        "peak_rss_mb": max([r.peak_rss_mb for r in records] + [round(memory.peak_bytes() / 2**20, 1)]),
+        "peak_rss_mb": round(memory.run_peak_bytes() / 2**20, 1),
         "summary": summary,
         "by_category": report.by_category(records, names),
         "fidelity": judged,

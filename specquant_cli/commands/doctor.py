@@ -50,9 +50,9 @@ def doctor(
         # every variant checked (path inside the folder, size, GGUF parse, type, vocabulary; sha256 with --verify)
         checks = fam.check(hashes=verify, deep=True)
         if not fam.renderings():  # no draft verifies, nothing is lossless: a family that runs no policy
-            checks[PARENT_ROLE] = ("missing: the family has no parent (an f16 or bf16 rendering of its base), which "
-                                   "every draft verifies against; specquant quantize BASE --types f16 --out FOLDER "
-                                   "adds it")
+            checks[PARENT_ROLE] = ("missing: the family has no parent (an f16 or bf16 rendering of its base, or the "
+                                   "quantized file itself), which every draft verifies against; specquant quantize "
+                                   "BASE --types f16 --out FOLDER adds it")
         else:
             from specquant_cli.system.renderings import decide
 

@@ -436,9 +436,10 @@ def _wanted_type(v: dict) -> str:
     return qtype.upper() if isinstance(qtype, str) and qtype in QUANT_TYPES else ""
 
 
-def _file_problem(full: Path, rel: str, size: int, want: str, mtime_ns=None) -> Optional[str]:
+def _file_problem(full: Path, rel: str, size: int, want: str, mtime_ns=None, sha=None) -> Optional[str]:
     """Why the file of a variant record cannot be used: presence, size, modification time where the record has one
-    (a quantized parent's), GGUF header, file type (a header read)."""
+    (a quantized parent's: when only it differs, as after a copy or a touch, the content is compared with the recorded
+    sha256 instead), GGUF header, file type (a header read)."""
     from specquant_cli.family.ggufio import header_problem, read_file_type
 
     try:
@@ -451,7 +452,7 @@ def _file_problem(full: Path, rel: str, size: int, want: str, mtime_ns=None) -> 
         return f"{rel} is not a regular file"
     if st.st_size != size:
         return f"{rel} is {st.st_size} bytes, the manifest says {size} (truncated or replaced)"
-    if _is_int(mtime_ns) and st.st_mtime_ns != mtime_ns:
+    if _is_int(mtime_ns) and st.st_mtime_ns != mtime_ns and not (isinstance(sha, str) and sha256_file(full) == sha):
         return (f"{rel} changed on disk after the family was made (modified "
                 f"{datetime.fromtimestamp(st.st_mtime, UTC).isoformat(timespec='seconds')}); its drafts and "
                 f"calibration were made for the file as it was: specquant quantize FILE --out FOLDER makes the family "
@@ -576,7 +577,7 @@ class Family:
         if not _is_int(size) or size < 0:
             return "its size_bytes is missing or not a non-negative integer"
         full = self.staged.get(rel, full)
-        why = _file_problem(full, rel, size, _wanted_type(v), v.get("mtime_ns"))
+        why = _file_problem(full, rel, size, _wanted_type(v), v.get("mtime_ns"), v.get("sha256"))
         if why or not hashes:
             return why
         sha = v.get("sha256")

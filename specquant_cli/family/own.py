@@ -18,6 +18,8 @@ from specquant_cli.family.variants import QuantType
 # names them.
 PARENT_QUANT_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q5_1", "Q4_K_M", "Q4_K_S", "Q4_0", "Q4_1",
                       "IQ4_NL", "IQ4_XS")
+# The same, as a file's most common weight type names them (a file without general.file_type: Q4_K_M holds Q4_K).
+PARENT_WEIGHT_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_K", "Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS")
 OWN_TYPE = QuantType(OWN, "", 0.0, OWN)  # the quantized parent's step in quantize_family: its file placed as it is
 LOSSLESS_NOTE = ("the parent is the quantized file {file} ({type}) as given, never rewritten: every lossless policy "
                  "is lossless relative to that file you run, not to the 16-bit model it was quantized from")
@@ -32,7 +34,7 @@ def check_base(info: GGUFInfo, types: Sequence[QuantType], allow_requantize: boo
     if info.is_float:
         return
     kind = parent_type(info)
-    if kind not in PARENT_QUANT_TYPES:
+    if kind not in (PARENT_QUANT_TYPES if info.file_type else PARENT_WEIGHT_TYPES):
         raise ModelFileError(
             f"{info.path}: its weights are {kind or 'of a type llama.cpp does not name'}, not a type specquant takes "
             f"as a parent: an F16, BF16 or F32 base, or a quantized GGUF of {', '.join(PARENT_QUANT_TYPES)}")

@@ -30,6 +30,7 @@ from specquant_cli.fsutil import (
     temp_name,
 )
 from specquant_cli.interrupts import deferred
+from specquant_cli.names import CALIBRATION
 
 ProgressFn = Callable[[str, int, int], None]  # (type name, bytes written, expected bytes)
 WarnFn = Callable[[str], None]
@@ -475,6 +476,8 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
             if unusable:
                 _set_aside(out_dir / fam.MANIFEST, unusable, warn)
             fam.commit(out_dir, [(t, s.dst) for t, s in staged], manifest)
+            if rebuild_all:  # another base's measured costs (a quantized parent's are its file's): measured again
+                (out_dir / CALIBRATION).unlink(missing_ok=True)
         finally:
             for t, _ in staged:
                 t.unlink(missing_ok=True)

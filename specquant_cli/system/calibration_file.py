@@ -18,6 +18,7 @@ from typing import Optional
 from specquant_cli.errors import InputError
 from specquant_cli.family.roles import is_role_name
 from specquant_cli.fsutil import create_temp, write_json_atomic
+from specquant_cli.names import CALIBRATION
 from specquant_cli.system.calibration import (
     DEEP_SIZES,
     DRAFT_BATCH,
@@ -27,7 +28,7 @@ from specquant_cli.system.calibration import (
     Calibration,
 )
 
-CALIBRATION_FILE = "calibration.json"
+CALIBRATION_FILE = CALIBRATION
 SCHEMA = 6  # part of the cache key: an entry measured by an older version is measured again
 MAX_DEEP_POS = 1 << 20  # a stored deep position beyond this is not one any context holds
 

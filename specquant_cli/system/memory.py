@@ -16,9 +16,13 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
+_before_reset = [0]  # the highest peak any reset cleared
+
+
 def reset_peak() -> bool:
-    """Start the peak again from the present resident size; False where the kernel does not let us (then
-    `peak_bytes` is the process's peak so far)."""
+    """Start the peak again from the present resident size (the peak it clears is kept for `run_peak_bytes`);
+    False where the kernel does not let us (then `peak_bytes` is the process's peak so far)."""
+    _before_reset[0] = max(_before_reset[0], peak_bytes())
     try:
         CLEAR_REFS.write_text("5")
         return True
@@ -35,6 +39,11 @@ def peak_bytes() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return rss_bytes()
+
+
+def run_peak_bytes() -> int:
+    """The process's peak resident size over its whole life, across resets."""
+    return max(_before_reset[0], peak_bytes())
 
 
 def peak_of_pid(pid: int) -> int:
