@@ -89,7 +89,6 @@ def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Seque
     for item in items:
         parent_tokens = None
         for policy in policies:  # interleaved: machine drift hits every policy alike
-            hold(runtime, policy, warmup)
             records.append(_timed_runs(runtime, router, item, policy, sp, max_tokens, repeats, parent_tokens,
                                        forms.get(item.id), warmup))
             if policy == "parent":
@@ -106,12 +105,11 @@ def run_reference(reference: Runtime, router: Router, items: Sequence[Item], rec
     other runs (and after their models are released: the bench holds one rendering of the parent at a time), each
     answer compared with the parent's of the same item in `records`."""
     parents = {r.item: r.tokens for r in records if r.policy == "parent"}
-    hold(reference, "parent", warmup)
     forms = compile_forms(reference, items)
     out = []
     for item in items:
         out.append(replace(_timed_runs(reference, router, item, "parent", sp, max_tokens, repeats,
-                                       parents.get(item.id), forms.get(item.id)), policy=REFERENCE))
+                                       parents.get(item.id), forms.get(item.id), warmup), policy=REFERENCE))
         if progress:
             progress(out[-1])
     return out
@@ -160,7 +158,7 @@ def _timed_runs(runtime: Runtime, router: Router, item: Item, policy: str, sp: S
     runs = []
     memory.reset_peak()
     for _ in range(max(1, repeats)):
-        _load_plan(session, item, max_tokens, warmup)  # the plan may change between repeats (the planner learns)
+        _hold_for(session, item, max_tokens, warmup)  # a planner's plan may change between repeats (it learns)
         runtime.reset_caches()
         answer, recs = session.ask(item.prompt, remember=False)
         runs.append((answer, [r.token for r in recs if r.token is not None]))
@@ -178,15 +176,16 @@ def _timed_runs(runtime: Runtime, router: Router, item: Item, policy: str, sp: S
     return rec
 
 
-def _load_plan(session: ChatSession, item: Item, max_tokens: int, warmup: int) -> None:
-    """A planner's policy holds the models its plan for this item uses, loaded and warmed up before the clock, and no
-    other draft (`hold`): the draft it picks moves with the prompt and with what it has measured."""
-    if session.runtime.planner(session.policy) is None:
-        return
-    model = session.runtime.tokenizer()
-    prompt = model.chat_prompt(session.messages(item.prompt), session.tools)
-    _, plan = session.plan(item.prompt, session.policy, prompt, answer_tokens=max_tokens)
-    hold(session.runtime, session.policy, warmup, plan.roles)
+def _hold_for(session: ChatSession, item: Item, max_tokens: int, warmup: int) -> None:
+    """The models the next run uses, and no other draft (`hold`), loaded and warmed up before the clock: the policy's
+    own, and for a planner the roles of its plan for this item (the draft it picks moves with the prompt and with
+    what it has measured)."""
+    roles: tuple[str, ...] = ()
+    if session.runtime.planner(session.policy) is not None:
+        model = session.runtime.tokenizer()
+        prompt = model.chat_prompt(session.messages(item.prompt), session.tools)
+        roles = session.plan(item.prompt, session.policy, prompt, answer_tokens=max_tokens)[1].roles
+    hold(session.runtime, session.policy, warmup, roles)
 
 
 def _tps(policy: str, answer) -> float:

@@ -44,14 +44,3 @@ def peak_bytes() -> int:
 def run_peak_bytes() -> int:
     """The process's peak resident size over its whole life, across resets."""
     return max(_before_reset[0], peak_bytes())
-
-
-def peak_of_pid(pid: int) -> int:
-    """Another process's peak resident size (VmHWM of /proc/PID/status); 0 where it cannot be read."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
