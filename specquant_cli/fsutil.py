@@ -4,7 +4,12 @@ removed or truncated before its replacement is complete.
 A write goes to a temporary file created exclusively beside its target (`O_CREAT|O_EXCL|O_NOFOLLOW`, a
 unique name: `.NAME.PID.RANDOM.part`, so a symlink planted there is never followed), is flushed and
 fsynced, renamed over the target, and the folder is fsynced. Temp files left by a process that died
-(SIGKILL, power loss) carry its pid, and `remove_stale` deletes them on the next run."""
+(SIGKILL, power loss) carry its pid, and `remove_stale` deletes them on the next run.
+
+Reads of a path the user names go through one door (`read_input_file`, or `check_input_file` before a reader that
+opens the path itself): only a regular file is read, and a FIFO, a device, a socket or a folder is one line naming
+what it is, never a read that blocks. `fingerprint` is the cheap content check of a family's files (a few MiB read
+at fixed offsets), `sha256_file` the full one."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
@@ -224,6 +230,116 @@ def open_append_nofollow(path: Path, what: str) -> int:
             raise InputError(f"{what} {path} is a symbolic link; refusing to write through it (remove it)") \
                 from None
         raise InputError(f"{what} {path}: cannot open it for writing ({e.strerror})") from None
+
+
+# -- input files: one way every path the user names is opened --------------------------------------------------------
+def kind_of(mode: int) -> str:
+    """What a file of `mode` is, as a message names it ("a FIFO", "a folder", …); "a regular file" for one."""
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def input_problem(path: Path, kind: str = "file") -> Optional[str]:
+    """Why `path` (links followed) is no regular file to read as a `kind`, e.g. "is a FIFO, not a GGUF file" or
+    "no such file"; None for a regular file. Only stat: a FIFO or a device is never opened, so nothing blocks."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "no such file" + (" (a symbolic link to nowhere)" if os.path.islink(path) else "")
+    except OSError as e:
+        return f"cannot read it ({e.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"is {kind_of(st.st_mode)}, not a {kind}"
+    return None
+
+
+def check_input_file(path: Path, what: str, kind: str = "file") -> Path:
+    """`path` when it names a regular file (links followed), else InputError "WHAT PATH: is a FIFO, not a KIND"."""
+    why = input_problem(path, kind)
+    if why:
+        raise InputError(f"{what} {path}: {why}".lstrip())
+    return Path(path)
+
+
+def read_input_file(path: Path, what: str, kind: str = "file", limit: Optional[int] = None) -> bytes:
+    """The bytes of the regular file `path` (at most `limit`, and one more to tell a larger file): opened without
+    blocking (O_NONBLOCK: a FIFO named here opens at once) and checked on its descriptor, so a FIFO, a device, a
+    socket or a folder is refused in one line naming what it is, never read or waited on."""
+    label = f"{what} {path}".lstrip()
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        why = input_problem(path, kind) or f"cannot read it ({e.strerror})"
+        raise InputError(f"{label}: {why}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise InputError(f"{label}: is {kind_of(mode)}, not a {kind}")
+        with open(fd, "rb", closefd=False) as f:
+            return f.read() if limit is None else f.read(limit + 1)
+    except OSError as e:
+        raise InputError(f"{label}: cannot read it ({e.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+# The longest file name a family writes: its temp file (fsutil.temp_name: '.NAME.PID.RANDOM.part') must fit the
+# file system's 255 bytes too.
+MAX_NAME_BYTES = 255 - len(".") - len(f".{2**22}.{'0' * 8}.part")
+
+
+def fit_name(name: str) -> str:
+    """`name`, or, when it is too long for a file and its temp file (MAX_NAME_BYTES), its start and a short digest
+    of the whole name, its extension kept: a long input name still gives a family file, one per input name."""
+    raw = os.fsencode(name)
+    if len(raw) <= MAX_NAME_BYTES:
+        return name
+    stem, dot, ext = name.rpartition(".") if "." in name[1:] else (name, "", "")
+    tail = f"-{hashlib.sha256(raw).hexdigest()[:12]}{dot}{ext}"
+    keep = os.fsencode(stem)[:MAX_NAME_BYTES - len(os.fsencode(tail))]
+    return keep.decode("utf-8", "ignore") + tail
+
+
+# -- content fingerprints: a cheap check that a file is the one recorded ---------------------------------------------
+FINGERPRINT_HEAD = 1 << 20  # the first MiB (a GGUF's header and metadata, most of them whole)
+FINGERPRINT_BLOCKS = 32  # blocks at fixed offsets spread over the rest, the last one ending at the end
+FINGERPRINT_BLOCK = 64 << 10
+FINGERPRINT_SCHEME = "sampled-sha256-v1"
+
+
+def fingerprint(path: Path) -> str:
+    """A cheap content fingerprint of a file: the sha256 of its size, its first MiB and FINGERPRINT_BLOCKS blocks of
+    64 KiB at offsets fixed by its size (evenly spread, the last one ending at the file's end): 3 MiB read at most,
+    milliseconds even for a 3 GB model. It changes with any rewrite of the file that reaches a sampled block (a
+    download or quantization written over it, a truncation, most edits), whatever its modification time says; the full
+    check is sha256_file (doctor --verify). Cached per file state (device, inode, size, mtime, ctime: a write changes
+    ctime, which no user can set back)."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if key in _fingerprints:
+            return _fingerprints[key]
+        size = st.st_size
+        h = hashlib.sha256(f"{FINGERPRINT_SCHEME}:{size}:".encode())
+        h.update(os.pread(f.fileno(), min(size, FINGERPRINT_HEAD), 0))
+        rest = size - FINGERPRINT_HEAD
+        if rest > 0:
+            span = max(0, rest - FINGERPRINT_BLOCK)
+            for i in range(FINGERPRINT_BLOCKS):
+                offset = FINGERPRINT_HEAD + span * i // (FINGERPRINT_BLOCKS - 1)
+                h.update(os.pread(f.fileno(), min(FINGERPRINT_BLOCK, size - offset), offset))
+    if len(_fingerprints) >= 256:
+        _fingerprints.clear()
+    _fingerprints[key] = h.hexdigest()
+    return _fingerprints[key]
+
+
+_fingerprints: dict[tuple, str] = {}
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:

@@ -188,12 +188,18 @@ def test_doctor_reports_every_broken_variant_at_once(fam):
     assert "q4: fam-q4_0.gguf is missing" in line and "q8: fam-q8_0.gguf is " in line
 
 
-def test_sha256_is_checked_by_verify_only(fam):
+def test_a_changed_file_is_caught_by_its_fingerprint_and_verify_names_the_sha256(fam):
+    """Every load checks the content fingerprint (a few MiB sampled: the whole of a file this small), not the
+    modification time; doctor --verify checks the full sha256."""
+    import os
+
     p = fam / "fam-q8_0.gguf"
+    st = p.stat()
     data = bytearray(p.read_bytes())
     data[-10] ^= 0xFF  # tensor data changed, size and header intact
     p.write_bytes(bytes(data))
-    assert doctor(fam).exit_code == 0
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # and its modification time put back
+    assert_clean_error(doctor(fam), 1, "q8: ", "changed on disk after the family was made")
     assert_clean_error(doctor(fam, "--verify"), 1, "q8: ", "sha256 differs from the manifest")
 
 
@@ -231,12 +237,13 @@ def test_loading_a_broken_parent_is_refused(fam, tmp_path, command, breaker, nee
 def test_interrupted_commit_is_rolled_forward_on_load(fam):
     """State a SIGKILL between the journal and the last rename leaves: the next load finishes it."""
     from specquant_cli.family.manifest import JOURNAL, Family
-    from specquant_cli.fsutil import sha256_file
+    from specquant_cli.fsutil import fingerprint, sha256_file
 
     new = fam / ".fam-q8_0.gguf.999999.0123abcd.part"  # pid 999999: a process that is gone
     new.write_bytes((fam / "fam-q4_0.gguf").read_bytes())  # some other valid content
     m = json.loads((fam / "manifest.json").read_text())
-    m["variants"]["q8"].update(size_bytes=new.stat().st_size, sha256=sha256_file(new), type="q4_0")
+    m["variants"]["q8"].update(size_bytes=new.stat().st_size, sha256=sha256_file(new), type="q4_0",
+                               fingerprint=fingerprint(new))
     m["notes"] = {"marker": "new"}
     (fam / JOURNAL).write_text(json.dumps({"pid": 999999, "renames": [[new.name, "fam-q8_0.gguf"]], "manifest": m}))
     f = Family.load(fam)

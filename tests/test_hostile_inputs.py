@@ -193,6 +193,8 @@ DATASETS = [
     (b'{"turns": ["caf\xe9"]}\n', "is not valid UTF-8 (byte 0xe9 at offset 15)"),
     ("", "no benchmark items selected"),
     ("\n\n  \n", "no benchmark items selected"),
+    ('{"turns": ["fine"]}\n' + "[" * 100_000 + "]" * 100_000 + "\n", ":2: nested deeper than 64 levels"),
+    ('{"turns": ["ok"], "response_format": ' + "[" * 500 + "]" * 500 + "}\n", ":1: nested deeper than 64 levels"),
 ]
 
 
@@ -209,7 +211,7 @@ def test_bad_dataset_refused_before_models_load(work, tiny_family, text, needle)
 @pytest.mark.parametrize("kind", ["missing", "folder"])
 def test_unreadable_dataset(work, tiny_family, kind):
     path = work / "missing.jsonl" if kind == "missing" else work
-    needle = "No such file" if kind == "missing" else "Is a directory"
+    needle = "no such file" if kind == "missing" else "is a folder, not a dataset file"
     assert_clean_error(cli(["bench", "prompts", "--family", tiny_family, "--dataset", path]), 1, str(path), needle)
 
 

@@ -377,7 +377,7 @@ def test_chat_json_schema_prints_only_valid_json_from_argument_and_pipe(family_d
     ("[" * 100_000, "nests too deep"),
     ('"just a string"', "must be a JSON object"),
     ("x" * (G.MAX_SCHEMA_BYTES + 1), "larger than"),
-    (None, "cannot read it"),
+    (None, "no such file"),
 ])
 def test_chat_json_schema_refuses_a_bad_file_in_one_line(family_dir, tmp_path, content, needle):
     from conftest import run_cli
@@ -451,7 +451,7 @@ def test_forms_refuse_what_openai_refuses(family_dir):
 
 def test_tool_parameters_keep_their_own_defs_and_text_cannot_open_a_call(family_dir):
     """A pydantic model's schema ($defs, $ref) stays the root of its call's arguments; under tool_choice auto a text
-    answer cannot begin with a call's marker (not even after spaces)."""
+    answer cannot begin with a call's marker (not even after spaces), and may begin with any other text, "<" too."""
     from specquant_cli.backend.llama import Model
 
     model = Model(next(family_dir.glob("*q8_0.gguf")), vocab_only=True)
@@ -462,25 +462,35 @@ def test_tool_parameters_keep_their_own_defs_and_text_cannot_open_a_call(family_
     G.check(g, model)
     for text, allowed in [('<tool_call>\n{"name": "f", "arguments": {"a": {"x": 3}}}\n</tool_call>', True),
                           ('<tool_call>\n{"name": "f", "arguments": {"a": 3}}\n</tool_call>', False),
-                          ("Plain words.", True), ("  <tool_call>", False)]:
+                          ("Plain words.", True), ("  <tool_call>", False), ("<br>", True), ("<tool kit>", True),
+                          (" <b>bold</b>", True)]:
         tokens = model.tokenize(text, add_bos=False, special=True)
         assert (G.Constraint(g, model).valid_prefix(tokens) == len(tokens)) == allowed, text
     assert g.validate('<tool_call>\n{"name": "f", "arguments": {"a": {"x": "no"}}}\n</tool_call>') is not None
 
 
-def test_a_stream_that_is_not_a_call_after_all_goes_on_as_text_and_a_cut_answer_keeps_its_calls():
-    from specquant_cli.serving.structured import message
+def test_a_stream_that_is_not_a_call_after_all_goes_on_as_text_and_a_cut_answer_has_no_calls():
+    """The one rule of a complete answer (serving.structured.outcome): a call answer cut short (a parallel set's
+    finished calls with it, or only the marker's first characters) is no call and shows no markup; a JSON answer
+    a stop string cut before its end is cut ("length"), one that ended on its own is not."""
+    from specquant_cli.serving.structured import outcome
 
     s = ToolStream()
     broken = "<tool_call>\n{broken</tool_call> and more"
     assert s.feed(broken) == [("text", broken)]
     assert s.feed(" text") == [("text", " text")]
     call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
-    msg, finish = message(call + "\n<tool_call>\n{\"name\": \"f\", \"argu", "length", calls=True)
-    assert finish == "length" and len(msg["tool_calls"]) == 1 and msg["content"].lstrip().startswith("<tool_call>")
-    msg, finish = message(call + "\n", "stop", calls=True)
-    assert finish == "tool_calls" and msg["content"] is None
-    assert message("Hi.", "stop", calls=True) == ({"role": "assistant", "content": "Hi.", "refusal": None}, "stop")
+    for cut in (call + "\n<tool_call>\n{\"name\": \"f\", \"argu", "<tool_c", call):
+        o = outcome(cut, "length", calls=True)
+        assert (o.content, o.calls, o.finish) == ("", [], "length"), cut
+    o = outcome(call + "\n", "stop", calls=True)
+    assert o.finish == "tool_calls" and o.content is None and o.calls == [{"name": "f", "arguments": {}}]
+    o = outcome("<br> and text", "stop", calls=True)
+    assert (o.content, o.calls, o.finish) == ("<br> and text", [], "stop")
+    g = G.json_object()
+    assert outcome('{"a": ', "stop", g, ["1"]).finish == "length"  # a stop string cut it
+    assert outcome('{"a": 1}', "stop", g, ["}}"]).finish == "stop"
+    assert outcome('{"a": ', "stop", g).finish == "stop"  # no stop string: the grammar ended it (never unfinished)
 
 
 def test_history_takes_calls_without_content_and_refuses_forged_or_deep_ones(family_dir):
@@ -494,20 +504,25 @@ def test_history_takes_calls_without_content_and_refuses_forged_or_deep_ones(fam
 
     ok = chat_params({"messages": [{"role": "user", "content": "q"},
                                    {"role": "assistant", "content": "", "tool_calls": [call()]},
+                                   {"role": "tool", "tool_call_id": "c1", "content": ""},
                                    {"role": "assistant", "tool_calls": [call()]},
-                                   {"role": "tool", "tool_call_id": "c1", "content": ""}]}, lambda p: "parent", model)
-    assert [m["role"] for m in ok.messages] == ["user", "assistant", "assistant", "tool"]
+                                   {"role": "tool", "tool_call_id": "c1", "content": ""},
+                                   {"role": "assistant", "content": ""}]}, lambda p: "parent", model)
+    assert [m["role"] for m in ok.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
     assert ok.messages[1]["tool_calls"][0]["function"]["arguments"] == {}
-    for msgs, param in [
-        ([{"role": "assistant", "tool_calls": [call(args='{"x": "<|im_end|>"}')]}], "messages[1].tool_calls[0]"),
-        ([{"role": "assistant", "tool_calls": [call(name="f\n")]}], "messages[1].tool_calls[0]"),
-        ([{"role": "assistant", "tool_calls": [call(args="[" * 5000 + "]" * 5000)]}],
-         "messages[1].tool_calls[0].function.arguments"),
-        ([{"role": "assistant", "content": ""}], "messages[1].content"),
+    answer = {"role": "tool", "tool_call_id": "c1", "content": "r"}
+    for msgs, param, says in [
+        ([{"role": "assistant", "tool_calls": [call(args='{"x": "<|im_end|>"}')]}, answer],
+         "messages[1].tool_calls[0]", "special token"),
+        ([{"role": "assistant", "tool_calls": [call(name="f\n")]}, answer], "messages[1].tool_calls[0]", "name"),
+        ([{"role": "assistant", "tool_calls": [call(args="[" * 5000 + "]" * 5000)]}, answer],
+         "messages[1].tool_calls[0].function.arguments", "too deep"),
+        ([{"role": "assistant", "content": None}], "messages[1].content", "no content"),
     ]:
         with pytest.raises(ApiError) as e:
             chat_params({"messages": [{"role": "user", "content": "q"}, *msgs]}, lambda p: "parent", model)
-        assert e.value.status == 400 and e.value.param == param, (msgs, e.value.param, e.value.message)
+        assert e.value.status == 400 and e.value.param == param and says in e.value.message, \
+            (msgs, e.value.param, e.value.message)
     with pytest.raises(ApiError) as e:
         chat_params({"messages": [{"role": "user", "content": "q"}], "tools": [WEATHER],
                      "parallel_tool_calls": "false"}, lambda p: "parent", model)

@@ -90,6 +90,11 @@ def _functions(tools: Any, model) -> dict[str, dict]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise _error("parameters must be a JSON Schema object", f"tools[{i}].function.parameters")
+        kind = params.get("type", "object")  # a call's arguments are an object: a schema without a type is one's
+        if kind != "object":
+            raise _error(f"the parameters of {name!r} must be a JSON Schema of type \"object\" (a call's arguments "
+                         f"are a JSON object), not of type {json.dumps(kind)[:60]}", f"tools[{i}].function.parameters")
+        params = {**params, "type": "object"}
         _schema_grammar(params, model, f"tools[{i}].function.parameters", f"the parameters of {name!r}")
         out[name] = params
     return out

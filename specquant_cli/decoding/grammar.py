@@ -28,6 +28,7 @@ from specquant_cli.toolcalls import TOOL_CLOSE, TOOL_OPEN, is_calls, parse
 
 MAX_SCHEMA_BYTES = 128 * 1024  # a schema (or a request's tools together) larger than this is refused
 MAX_TOOLS = 128  # OpenAI's limit
+INT_RANGE = (-2**63, 2**64 - 1)  # the integers a schema may hold (llguidance reads a schema's numbers as 64-bit)
 FORCED_MAX = 32  # forced tokens proposed in one cycle
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -145,21 +146,91 @@ def json_schema(schema: Any, what: str = "the schema") -> Grammar:
     if not isinstance(schema, dict):
         raise InputError(f"{what} must be a JSON object")
     _sized(schema, what)
+    for pointer, value in _nodes(schema):
+        if isinstance(value, int) and not isinstance(value, bool) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
+            shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:20]}... ({len(str(value))} digits)"
+            raise InputError(f"{what} holds the integer {shown} at {pointer or '/'}: a schema's integers fit in 64 "
+                             "bits")
+    ref = _ref_cycle(schema)
+    if ref is not None:
+        raise InputError(f"{what} cannot be followed: its $ref {ref!r} leads back to itself before describing any "
+                         "value")
     return Grammar("json_schema", _llg().LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS), schema)
+
+
+def _nodes(doc: Any):
+    """(JSON pointer, value) of every value in `doc`, itself first (iteratively: a schema may nest deep)."""
+    todo = [("", doc)]
+    while todo:
+        pointer, value = todo.pop()
+        yield pointer, value
+        if isinstance(value, dict):
+            todo += [(f"{pointer}/{_escape(k)}", v) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            todo += [(f"{pointer}/{i}", v) for i, v in reversed(list(enumerate(value)))]
+
+
+def _escape(key: str) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+def _resolve(doc: Any, ref: Any) -> Any:
+    """The value a local `$ref` ("#", "#/$defs/X") points at in `doc`; None when it is not local or not there."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    node = doc
+    for part in ref[2:].split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _ref_cycle(schema: dict) -> Optional[str]:
+    """A `$ref` of `schema` that leads back to itself through `$ref`s and `allOf`s alone, before any keyword that
+    describes a value ({"$ref": "#"}, or two $defs naming each other): no JSON value is one; None when there is none.
+    (A recursion through a property or an array's items is a tree, and fine.)"""
+
+    def heads(node) -> list[tuple[Optional[str], Any]]:
+        if not isinstance(node, dict):
+            return []
+        out = [(node["$ref"], _resolve(schema, node["$ref"]))] if "$ref" in node else []
+        out += [(None, sub) for sub in node.get("allOf") or () if isinstance(node.get("allOf"), list)]
+        return [(ref, target) for ref, target in out if isinstance(target, dict)]
+
+    done: set[int] = set()
+    for _, start in _nodes(schema):
+        if not isinstance(start, dict) or id(start) in done:
+            continue
+        path, on_path = [(start, iter(heads(start)), None)], {id(start)}
+        while path:
+            node, edges, _ = path[-1]
+            step = next(edges, None)
+            if step is None:
+                path.pop()
+                on_path.discard(id(node))
+                done.add(id(node))
+                continue
+            ref, target = step
+            if id(target) in on_path:
+                return ref or next((r for _, _, r in reversed(path) if r), "allOf")
+            if id(target) not in done:
+                path.append((target, iter(heads(target)), ref))
+                on_path.add(id(target))
+    return None
 
 
 def schema_file(path, model) -> Grammar:
     """The grammar of the JSON Schema in file `path` (chat --json-schema), checked against `model`'s vocabulary."""
-    from pathlib import Path
-
+    from specquant_cli.fsutil import read_input_file
     from specquant_cli.inputs import decode_file
 
     what = f"--json-schema {path}"
-    try:
-        with Path(path).open("rb") as f:
-            data = f.read(MAX_SCHEMA_BYTES + 1)
-    except OSError as e:
-        raise InputError(f"{what}: cannot read it ({e.strerror})") from None
+    data = read_input_file(path, "--json-schema", "JSON Schema file", MAX_SCHEMA_BYTES)  # a FIFO: refused, not read
     if len(data) > MAX_SCHEMA_BYTES:
         raise InputError(f"{what} is larger than {MAX_SCHEMA_BYTES // 1024} KiB")
     try:
@@ -184,8 +255,8 @@ def tool_calls(tools: dict[str, dict], model, required: bool, parallel: bool = T
     """Answers that call the functions `tools` (name -> parameter schema) in the Hermes form (specquant_cli.toolcalls),
     one or (`parallel`) more, each call's arguments the root of its own schema (its `$defs` and `$ref`s resolve
     there); unless `required`, an answer may instead be text — JSON of `text`'s schema when given (a
-    response_format beside the tools) — which then cannot begin a call: its first character that is not whitespace
-    is not "<"."""
+    response_format beside the tools) — which may begin with any character ("<br>" included) but not with the call's
+    opening marker: only the marker opens a call (`_not_opening`)."""
     _sized(tools, "the tools")
     opens, closes = _markers(model)
     bodies = [f"body_{i}: {json.dumps(_call_head(name))} "
@@ -194,7 +265,7 @@ def tool_calls(tools: dict[str, dict], model, required: bool, parallel: bool = T
     if text is not None and text.schema is not None:
         other = f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **text.schema}, ensure_ascii=False)}"
     else:
-        other = "/(\\s*[^<\\s](.|\\n)*)?/"
+        other = f"/{_not_opening(TOOL_OPEN)}/"
     lark = (f"start: {'calls' if required else 'calls | other'}\n"
             f"calls: call{' (NL call)*' if parallel else ''} NL?\n"
             f"call: {opens} NL ({' | '.join(f'body_{i}' for i in range(len(tools)))}) NL {closes}\n"
@@ -203,6 +274,29 @@ def tool_calls(tools: dict[str, dict], model, required: bool, parallel: bool = T
             "NL: \"\\n\"\n")
     return Grammar("tool_calls", _llg().LLMatcher.grammar_from_lark(lark), text.schema if text else None,
                    dict(tools), required)
+
+
+def _not_opening(marker: str) -> str:
+    """A regex of the text that does not begin with `marker`, whitespace aside: empty, or a character that is not
+    whitespace and not the marker's first, or the marker's first few characters and then one that departs from it
+    (or nothing more: a text may be a mere beginning of the marker, "<to"), and then anything.
+
+    Where the template's marker is a special token (Qwen2.5's `<tool_call>`), that token alone opens a call and text
+    cannot hold it; text spelling the marker's characters is refused too, as a client (and `toolcalls.parse`) reading
+    the answer could not tell it from a call. Where the marker is plain text (a template without tool support), those
+    characters are the call: text that means to begin with them cannot (the one ambiguity, resolved for the call)."""
+    anything = "(.|\\n)*"
+    chars = [_class_char(c) for c in marker]
+    rest = ""  # what may follow the marker's first i characters (i from the last down to 1); none may follow all
+    for i in range(len(marker) - 1, 0, -1):
+        rest = f"([^{chars[i]}]{anything}{'|' + chars[i] + rest if rest else ''})?"
+    return f"\\s*([^\\s{chars[0]}]{anything}|{chars[0]}{rest})?"
+
+
+def _class_char(c: str) -> str:
+    """`c` as it stands for itself in and out of a regex's character class (llguidance's Rust syntax); "<" and ">"
+    stay bare (escaped, they are word boundaries)."""
+    return "\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c
 
 
 def _call_head(name: str) -> str:
@@ -223,11 +317,15 @@ def _markers(model) -> tuple[str, str]:
 
 def check(grammar: Grammar, model) -> None:
     """Refuse a grammar llguidance cannot compile for this vocabulary within `limits` (InputError, one line)."""
-    is_error, messages = _llg().LLMatcher.validate_grammar_with_warnings(grammar.source, tokenizer_for(model),
-                                                                        limits=limits())
+    tok = tokenizer_for(model)
+    is_error, messages = _llg().LLMatcher.validate_grammar_with_warnings(grammar.source, tok, limits=limits())
     if is_error:
         first = (messages[0] if messages else "invalid grammar").strip().splitlines()[0]
         raise InputError(f"the {grammar.kind.replace('_', ' ')} cannot be compiled: {first[:300]}")
+    matcher = _llg().LLMatcher(tok, grammar.source, log_level=0, limits=limits())  # what an answer would start from
+    if matcher.is_error():
+        first = (matcher.get_error() or "no answer can begin").strip().splitlines()[0]
+        raise InputError(f"the {grammar.kind.replace('_', ' ')} cannot be followed: {first[:300]}")
 
 
 class Constraint:

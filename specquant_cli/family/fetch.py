@@ -21,7 +21,7 @@ from specquant_cli.errors import FamilyError, InputError, ModelFileError
 from specquant_cli.family.ggufio import dequantize_to_float, read_info
 from specquant_cli.family.manifest import Family
 from specquant_cli.family.roles import BUILTIN_ROLES, FLOAT_RENDERINGS
-from specquant_cli.fsutil import atomic_path, check_folder_writable, remove_stale, sha256_file
+from specquant_cli.fsutil import atomic_path, check_folder_writable, input_problem, remove_stale, sha256_file
 
 INFLATION_NOTE = (
     "The base (its BF16 and F16 renderings hold the same weights) was dequantized from a quantized origin, so it "
@@ -276,6 +276,10 @@ def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
     if root.is_dir():
         recover(root, warn)  # a killed earlier run's half-done commit, finished before anything is judged
         remove_stale(root)  # and the temp files and work folders such a run left
+        other = _other_family(root, name)
+        if other and not force:
+            raise InputError(f"{root} holds another family ({other}); pass --force to replace it, or pull into "
+                             "another folder")
     if not force and (fam := present(root, warn=warn)) is not None:
         added = pull_siblings(spec, root, progress, warn)  # a sibling missing or broken: fetched alone
         return (Family.load(root, warn) if added else fam), False
@@ -298,9 +302,20 @@ def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
     return Family(root, manifest), True
 
 
+def _other_family(root: Path, name: str) -> Optional[str]:
+    """The name of the family in `root` when it is not the demo family `name` (a family of the user's own file, say),
+    else None: a folder that holds none, or one whose manifest cannot be read, is this family's to make."""
+    from specquant_cli.family.manifest import read_existing
+
+    old, _ = read_existing(root)
+    recorded = old.get("family") if old else None
+    return recorded if isinstance(recorded, str) and recorded and recorded != name else None
+
+
 def is_file_name(name: str) -> bool:
-    """`pull NAME` names a model file here (a path, or a name ending in .gguf), not a demo family."""
-    return name not in FAMILIES and (name.endswith(".gguf") or os.sep in name or Path(name).is_file())
+    """`pull NAME` names a model file here (a path, a name ending in .gguf, or anything that exists by that name: a
+    FIFO or a folder is then refused as what it is), not a demo family."""
+    return name not in FAMILIES and (name.endswith(".gguf") or os.sep in name or os.path.lexists(name))
 
 
 def pull_file(path: Path, models_dir: Path, *, force: bool = False, threads: int = 0, allow_requantize: bool = False,
@@ -315,9 +330,10 @@ def pull_file(path: Path, models_dir: Path, *, force: bool = False, threads: int
     from specquant_cli.family.quantize import default_types, quantize_family
 
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such model file; pull takes a GGUF file here or a demo family "
-                         f"({', '.join(FAMILIES)})")
+    why = input_problem(path, "GGUF file")
+    if why:
+        raise InputError(f"{path}: {'no such model file' if why.startswith('no such') else why}; pull takes a GGUF "
+                         f"file here or a demo family ({', '.join(FAMILIES)})")
     models_dir = Path(models_dir)
     if models_dir.exists() and not models_dir.is_dir():
         raise InputError(f"--models-dir {models_dir}: not a folder")
@@ -327,7 +343,7 @@ def pull_file(path: Path, models_dir: Path, *, force: bool = False, threads: int
     before = read_existing(root)[0] if root.is_dir() else None
     manifest = quantize_family(path, root, default_types(info, allow_requantize), threads=threads, force=force,
                                allow_requantize=allow_requantize, warn=warn, out_label="--models-dir",
-                               f16_if_exact=True,
+                               f16_if_exact=True, replace_other=force,
                                progress=(lambda t, d, n: progress(f"quantize {t}", d, n)) if progress else None)
     return Family(root, manifest), _files(before) != _files(manifest)
 

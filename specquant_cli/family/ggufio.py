@@ -1,10 +1,20 @@
-"""Reading and checking GGUF files with `gguf`; making a base by dequantizing one (`dequantize_to_float`) and
-an F16 rendering of a BF16 file when, and only when, it is exact (`f16_of_bf16`)."""
+"""Reading and checking GGUF files with `gguf`; making a base by dequantizing one (`dequantize_to_float`), an
+F16 rendering of a BF16 file when, and only when, it is exact (`f16_of_bf16`), and a smaller network of the same
+vocabulary by keeping some of a file's blocks (`cut_layers`).
+
+What a file is checked for before it is taken: a whole GGUF (`read_info`: header, metadata, tensor extents; a part
+of a split model named as the part it is, with the merge command), of the type its header claims (`type_problem`:
+the weights bear out general.file_type), its hyperparameters read from its own header (`read_hparams`).
+
+Why one file of ~700 lines: every reader here walks the same format (gguf's parser, the bounds-checked cursor, the
+walks that skip values undecoded), and the writers copy what those readers read; kept together, an offset or a type
+code is defined once and each reader can be read against the others."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +24,7 @@ from typing import Optional
 import numpy as np
 
 from specquant_cli.errors import ModelFileError
+from specquant_cli.fsutil import input_problem
 
 GGUF_MAGIC = b"GGUF"
 FLOAT_TYPES = {"F32", "F16", "BF16"}
@@ -30,6 +41,7 @@ class GGUFInfo:
     name: str
     n_params: int
     tensor_types: dict[str, int]  # type name -> count of 2-D+ tensors
+    weight_elements: dict[str, int]  # type name -> weights held in 2-D+ tensors of that type
     weight_type: str  # most common type among 2-D+ tensors
     file_type: str  # general.file_type as llama.cpp names it (Q4_K_M, F16, ...), "" when absent
     hparams: dict[str, int] = field(default_factory=dict)
@@ -47,10 +59,9 @@ def _reader(path: Path):
     import gguf
 
     path = Path(path)
-    if not path.exists():
-        raise ModelFileError(f"{path}: no such file")
-    if not path.is_file():
-        raise ModelFileError(f"{path}: not a file")
+    why = input_problem(path, "GGUF file")
+    if why:
+        raise ModelFileError(f"{path}: {why}")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -215,26 +226,30 @@ def read_info(path: Path) -> GGUFInfo:
     import gguf
 
     path = Path(path)
-    if not path.exists():
-        raise ModelFileError(f"{path}: no such file")
-    if not path.is_file():
-        raise ModelFileError(f"{path}: not a file")
+    why = input_problem(path, "GGUF file")
+    if why:
+        raise ModelFileError(f"{path}: {why}")
     problem = header_problem(path)
     if problem and problem.startswith(("not a GGUF", "cannot read")):
         raise ModelFileError(f"{path}: {problem}" + (", expected b'GGUF'" if problem.startswith("not") else ""))
     if problem:
-        raise ModelFileError(f"{path}: truncated or corrupt GGUF ({problem})")
+        split = _split_part(path)  # a split's metadata-only part holds no tensor: named as the part it is
+        raise ModelFileError(split or f"{path}: truncated or corrupt GGUF ({problem})")
     try:
         header, size = _parse_header(path)
     except OSError as e:
         raise ModelFileError(f"{path}: cannot read it ({e.strerror})") from None
     kv = header.kv
+    split = _split_message(path, _count(kv.get("split.no"), 0), _count(kv.get("split.count"), 1))
+    if split:  # before anything else: a part after the first holds no architecture, no vocabulary
+        raise ModelFileError(split)
     arch = kv.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(f"{path}: no general.architecture in GGUF metadata")
     if arch not in set(gguf.MODEL_ARCH_NAMES.values()):
         raise ModelFileError(f"{path}: architecture {arch!r} is not one llama.cpp knows")
     types: dict[str, int] = {}
+    elements: dict[str, int] = {}
     n_params, end = 0, 0
     for t in header.tensors:
         try:
@@ -248,13 +263,13 @@ def read_info(path: Path) -> GGUFInfo:
         end = max(end, header.data_start + t.offset + n // block * type_size)
         if len(t.shape) >= 2 and int(np.prod(t.shape[1:], dtype=object)) > 1:
             types[qtype.name] = types.get(qtype.name, 0) + 1
+            elements[qtype.name] = elements.get(qtype.name, 0) + n
     if end > size or not header.tensors:
         raise ModelFileError(f"{path}: truncated GGUF (tensor data ends at byte {end}, file has {size})")
     weight_type = max(types, key=types.get) if types else "F32"
     file_type = ftype_name(kv.get("general.file_type"))
     hp = {}
-    for k in ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
-              "context_length", "attention.key_length", "attention.value_length"):
+    for k in HPARAM_KEYS:
         v = kv.get(f"{arch}.{k}")
         if isinstance(v, int) and not isinstance(v, bool):
             hp[k] = v
@@ -265,7 +280,8 @@ def read_info(path: Path) -> GGUFInfo:
 
     return GGUFInfo(
         path=path, arch=arch, name=text("general.name") or path.stem,
-        n_params=n_params, tensor_types=types, weight_type=weight_type, file_type=file_type, hparams=hp,
+        n_params=n_params, tensor_types=types, weight_elements=elements, weight_type=weight_type,
+        file_type=file_type, hparams=hp,
         provenance=text(PROVENANCE_KEY), chat_template=text("tokenizer.chat_template"),
         vocab_sha256=kv.get("tokenizer.ggml.tokens") if isinstance(kv.get("tokenizer.ggml.tokens"), str) else None,
         split=(_count(kv.get("split.no"), 0), _count(kv.get("split.count"), 1)),
@@ -278,11 +294,78 @@ def _count(v, default: int) -> int:
 
 def split_problem(info: GGUFInfo) -> Optional[str]:
     """Why a GGUF cut into parts (llama-gguf-split) is not taken as one model file, else None."""
-    no, count = info.split
+    return _split_message(info.path, *info.split)
+
+
+_PART_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def _split_message(path: Path, no: int, count: int) -> Optional[str]:
+    """The one line for part `no` (from 0) of a model split into `count` files: what it is and how to merge it (the
+    merge starts from the first part: named after llama-gguf-split's own `-00001-of-0000N.gguf`)."""
     if count <= 1:
         return None
-    return (f"{info.path}: part {no + 1} of a model split into {count} files (llama-gguf-split); merge them into one "
-            f"file first: llama-gguf-split --merge {info.path} merged.gguf")
+    first = Path(path)
+    m = _PART_RE.search(first.name)
+    if m:
+        first = first.with_name(first.name[:m.start(1)] + f"{1:05d}" + first.name[m.end(1):])
+    elif no:
+        first = first.with_name("FIRST-PART.gguf")
+    return (f"{path}: part {no + 1} of a model split into {count} files (llama-gguf-split); merge them into one "
+            f"file first: llama-gguf-split --merge {first} merged.gguf")
+
+
+def _split_part(path: Path) -> Optional[str]:
+    """_split_message of a file whose header holds no tensor (a split's metadata-only part), else None."""
+    try:
+        header, _ = _parse_header(path)
+    except (OSError, ModelFileError, struct.error, ValueError):
+        return None
+    kv = header.kv
+    return _split_message(path, _count(kv.get("split.no"), 0), _count(kv.get("split.count"), 1))
+
+
+# The tensor type each general.file_type is made of (its other tensors: more bits, or a fallback of more bits where
+# a row does not fit the type's block): what the weights must mostly be for the header's claim to hold.
+_MAIN_TYPE = {"Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K", "Q5_K_M": "Q5_K", "Q5_K_S": "Q5_K", "Q3_K_M": "Q3_K",
+              "Q3_K_S": "Q3_K", "Q3_K_L": "Q3_K", "Q2_K_S": "Q2_K", "F32": "F32"}
+TYPE_SLACK = 0.9  # a file's weights may average this share of its claimed type's bits (no fallback ever has fewer)
+
+
+def type_bits(name: str) -> Optional[float]:
+    """Bits per weight of a ggml tensor type (Q8_0: 8.5), None for one gguf does not know."""
+    import gguf
+
+    try:
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+    except KeyError:
+        return None
+    return size * 8 / block
+
+
+def weight_bits(info: GGUFInfo) -> Optional[float]:
+    """The mean bits per weight of the file's 2-D+ tensors, by what their types store (None: none known)."""
+    known = {t: n for t, n in info.weight_elements.items() if type_bits(t) is not None}
+    total = sum(known.values())
+    return sum(type_bits(t) * n for t, n in known.items()) / total if total else None
+
+
+def claimed_bits(file_type: str) -> Optional[float]:
+    """Bits per weight of the tensor type a general.file_type is mostly made of (Q4_K_M: Q4_K's 4.5)."""
+    return type_bits(_MAIN_TYPE.get(file_type, file_type)) if file_type else None
+
+
+def type_problem(info: GGUFInfo) -> Optional[str]:
+    """Why the header's claimed type (general.file_type) is not what the file's weights are: weights of fewer bits
+    than that type ever stores (a header edited, or written by a tool that got it wrong), else None. A type the
+    header does not name, or a claim gguf cannot price, is no problem here."""
+    want, got = claimed_bits(info.file_type), weight_bits(info)
+    if want is None or got is None or got >= want * TYPE_SLACK:
+        return None
+    most = max(info.weight_elements, key=info.weight_elements.get)
+    return (f"{info.path}: its header says {info.file_type} (general.file_type), but its weights are mostly {most} "
+            f"({got:.2f} bits per weight on average, {info.file_type} stores {want:.2f}): the header does not describe "
+            "the file; refusing to record it as what it is not")
 
 
 def ftype_name(ft) -> str:
@@ -349,6 +432,61 @@ def read_file_type(path: Path) -> str:
 
 
 _file_types: dict[tuple, str] = {}  # (dev, inode, size, mtime, ctime) -> file type: a file read once per process
+
+# The hyperparameters a family records of each network (GGUFInfo.hparams, Family.hparams_of): `<arch>.<key>`.
+HPARAM_KEYS = ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv", "context_length",
+               "attention.key_length", "attention.value_length")
+_ARCH_KEY = b"general.architecture"
+
+
+def read_hparams(path: Path) -> dict[str, int]:
+    """The hyperparameters of the GGUF at `path` (HPARAM_KEYS, as read_info gives them), read from its header: the
+    metadata walked with values skipped undecoded, as read_file_type does (milliseconds for a 150k-token
+    vocabulary), once per file state. What memory estimates size a KV cache from: the file's own header, never a
+    manifest's copy. ModelFileError when the file cannot be read or its metadata runs past its end."""
+    import mmap
+
+    path = Path(path)
+    why = input_problem(path, "GGUF file") or header_problem(path)
+    if why:
+        raise ModelFileError(f"{path}: {why}")
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            if ident not in _hparams:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                    if len(_hparams) >= 64:
+                        _hparams.clear()
+                    _hparams[ident] = _walk_hparams(buf)
+            return dict(_hparams[ident])
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read it ({e.strerror})") from None
+    except (struct.error, ValueError):
+        raise ModelFileError(f"{path}: truncated or corrupt GGUF (metadata runs past the end of the file)") from None
+
+
+_hparams: dict[tuple, dict[str, int]] = {}
+
+
+def _walk_hparams(buf) -> dict[str, int]:
+    n_kv, pos = _U64.unpack_from(buf, 16)[0], 24
+    arch, ints = None, {}
+    for _ in range(n_kv):
+        n = _U64.unpack_from(buf, pos)[0]
+        key, pos = bytes(buf[pos + 8:pos + 8 + n]), pos + 8 + n
+        vtype, pos = _U32.unpack_from(buf, pos)[0], pos + 4
+        if key == _ARCH_KEY and vtype == _STRING:
+            size = _U64.unpack_from(buf, pos)[0]
+            arch = bytes(buf[pos + 8:pos + 8 + size]).decode("utf-8", "replace")
+        elif vtype in (0, 2, 4, 10, 1, 3, 5, 11) and b"." in key:  # an integer scalar
+            ints[key.decode("utf-8", "replace")] = struct.unpack_from(_SCALARS[vtype], buf, pos)[0]
+        pos = _skip_value(buf, pos, vtype)
+        if pos > len(buf):
+            raise ValueError("past the end")
+    if arch is None:
+        return {}
+    return {k: ints[f"{arch}.{k}"] for k in HPARAM_KEYS if f"{arch}.{k}" in ints}
 
 
 def _walk_to_file_type(buf) -> str:
@@ -502,4 +640,46 @@ def f16_of_bf16(src: Path, dst: Path, provenance: str,
             done += int(t.n_bytes)
             if progress:
                 progress(done, total)  # bytes of the source read, as the other steps report bytes
+    writer.close()
+
+
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def cut_layers(src: Path, dst: Path, keep: tuple[int, ...], provenance: str) -> None:
+    """Write `dst` as `src` with only the blocks `keep` (in that order, renumbered from 0), every other tensor and
+    all metadata as they are (block_count set to len(keep)), tensors copied byte for byte in their own types: a
+    smaller network of the same vocabulary, embeddings and head. The caller owns atomicity."""
+    import gguf
+
+    reader = _reader(src)
+    arch = _field(reader, "general.architecture")
+    n_blocks = _field(reader, f"{arch}.block_count")
+    if not keep or len(set(keep)) != len(keep) or not all(0 <= i < (n_blocks or 0) for i in keep):
+        raise ModelFileError(f"{src}: cannot keep blocks {list(keep)} of its {n_blocks}")
+    new_index = {old: new for new, old in enumerate(keep)}
+    writer = gguf.GGUFWriter(os.fspath(dst), arch)
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", f"{arch}.block_count", PROVENANCE_KEY):
+            continue
+        vtype = f.types[0]
+        writer.add_key_value(f.name, f.contents(), vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY
+                             else None)
+    writer.add_block_count(len(keep))
+    writer.add_string(PROVENANCE_KEY, provenance)
+    kept = []
+    for t in reader.tensors:
+        m = _BLOCK.match(t.name)
+        if m and int(m.group(1)) not in new_index:
+            continue
+        name = f"blk.{new_index[int(m.group(1))]}.{t.name[m.end():]}" if m else t.name
+        data = np.asarray(t.data)
+        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes,
+                               raw_dtype=None if data.dtype in (np.float32, np.float16) else t.tensor_type)
+        kept.append(data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for data in kept:
+        writer.write_tensor_data(data)
     writer.close()

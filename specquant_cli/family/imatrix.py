@@ -37,6 +37,7 @@ import numpy as np
 from specquant_cli import interrupts
 from specquant_cli.errors import FamilyError, InputError, LlamaError, ResourceError, SpecquantError
 from specquant_cli.family.roles import PARENT_ROLE
+from specquant_cli.fsutil import check_input_file, read_input_file
 
 IMATRIX_FILE = "imatrix.gguf"
 CALIBRATION_SET = Path(__file__).with_name("calibration_set.jsonl")
@@ -346,10 +347,7 @@ def calibration_tokens(model, path: Optional[Path] = None) -> Calibration:
                 tokens += model.tokenize(item["text"], add_bos=False)
         return Calibration(f"builtin:{CALIBRATION_SET.name}", hashlib.sha256(data).hexdigest(), tokens)
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise InputError(f"--calibration {path}: {e.strerror}") from None
+    data = read_input_file(path, "--calibration", "text file")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -504,8 +502,7 @@ def check_imatrix(path: Path) -> ActivationStats:
 
 def check_option_imatrix(path: Path) -> Path:
     """An --imatrix file, read and checked; InputError naming the option and the reason otherwise."""
-    if not path.is_file():
-        raise InputError(f"--imatrix {path}: no such file")
+    check_input_file(path, "--imatrix", "GGUF file")  # "no such file", or what it is: a FIFO, a folder, …
     try:
         check_imatrix(path)
     except FamilyError as e:

@@ -1,9 +1,13 @@
 """A quantized family on disk: manifest, roles -> variant files, provenance, verification.
 
 A family is checked, not trusted: every variant path must be relative and stay inside the family folder
-after resolving (no absolute path, no '..', no symlink out); a file's size, GGUF header and file type
-(general.file_type against the record's type) are checked before it is used, its sha256 by `verify` (doctor
---verify, pull's "present" check). A manifest that gives a key twice is refused.
+after resolving (no absolute path, no '..', no symlink out), and name the file itself (a symbolic link is
+refused: the family must load once the folder is moved); a file's size, GGUF header, file type
+(general.file_type against the record's type) and content fingerprint (fsutil.fingerprint, recorded at creation: a
+few MiB at fixed offsets, not the modification time, which anyone can set back) are checked before it is used, its
+sha256 by `verify` (doctor --verify, pull's "present" check). A record made before fingerprints were recorded is
+checked as it was (size, header, type, a quantized parent's modification time): such a family loads as before. A
+manifest that gives a key twice is refused.
 
 Updates commit through a journal, holding the family's lock (flock on `.specquant.lock`; the kernel drops it
 when its holder dies): new variant files are written under temp names first, then a journal
@@ -35,7 +39,7 @@ from typing import Optional
 from specquant_cli.errors import FamilyError, ModelFileError
 from specquant_cli.family.roles import PARENT_ROLE, RENDERINGS, ordered
 from specquant_cli.family.variants import QUANT_TYPES
-from specquant_cli.fsutil import TEMP_RE, fsync_dir, sha256_file, write_bytes_atomic, write_json_atomic
+from specquant_cli.fsutil import TEMP_RE, fingerprint, fsync_dir, sha256_file, write_bytes_atomic, write_json_atomic
 from specquant_cli.names import JOURNAL, LOCK, MANIFEST, PREV_MANIFEST, RESERVED, UNUSABLE_JOURNAL  # noqa: F401
 
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest is a few KiB; anything this large is not one
@@ -384,6 +388,61 @@ def _cannot_recover(root: Path, e: LockUnavailable, warn: WarnFn) -> bool:
                       "write access") from None
 
 
+# -- the files a manifest names, and those it no longer does ------------------------------------------------
+def names_in_use(manifest: dict, but: str = "") -> set[str]:
+    """The family folder's file names a manifest uses (every variant's but `but`'s, the imatrix, grading plans) and
+    its own files."""
+    names = set(RESERVED)
+    variants = manifest.get("variants") if isinstance(manifest.get("variants"), dict) else {}
+    for role, v in variants.items():
+        if role != but and isinstance(v, dict) and isinstance(v.get("path"), str):
+            names.add(v["path"])
+    imx = manifest.get("imatrix")
+    if isinstance(imx, dict) and isinstance(imx.get("file"), str):
+        names.add(imx["file"])
+    for v in variants.values():
+        grade = v.get("grade") if isinstance(v, dict) else None
+        if isinstance(grade, dict) and isinstance(grade.get("plan_file"), str):
+            names.add(grade["plan_file"])
+    return names
+
+
+def remove_dropped(root: Path, old: Optional[dict], new: dict, spare: Optional[Path] = None,
+                   warn: Optional[WarnFn] = None) -> list[str]:
+    """Remove the files of `old`'s variant records that the committed manifest `new` no longer names (a variant
+    replaced by a file of another name, or dropped): only what the family made itself — a plain GGUF file name of
+    this folder, a regular file (a link is never followed) — and never the base the user gave (the record of the
+    old base's content or of the quantized parent as it is: when it lies in the folder, it is the user's own file;
+    nor `spare`, the base given now). Returns the names removed; one that cannot be is a warning."""
+    from specquant_cli.family.roles import OWN
+
+    if not isinstance(old, dict) or not isinstance(old.get("variants"), dict):
+        return []
+    base = old.get("base") if isinstance(old.get("base"), dict) else {}
+    used, removed = names_in_use(new), []
+    for role, v in old["variants"].items():
+        name = v.get("path") if isinstance(v, dict) else None
+        if not _plain_name(name) or not name.endswith(".gguf") or name in used or role == OWN \
+                or (base.get("sha256") and v.get("sha256") == base.get("sha256")):
+            continue
+        path = Path(root) / name
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or (spare is not None and os.path.exists(spare)
+                                                and os.path.samefile(path, spare)):
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            (warn or silent)(f"{path}: the file of the dropped {role} variant could not be removed ({e.strerror}); "
+                             "remove it by hand")
+    if removed:
+        fsync_dir(Path(root))
+    return removed
+
+
 # -- path safety and variant files ---------------------------------------------------------------------
 def safe_path(root: Path, rel) -> tuple[Optional[Path], Optional[str]]:
     """(root/rel, None) when `rel` is a relative path that stays inside `root` once resolved, else (None, why)."""
@@ -436,13 +495,25 @@ def _wanted_type(v: dict) -> str:
     return qtype.upper() if isinstance(qtype, str) and qtype in QUANT_TYPES else ""
 
 
+def _changed(rel: str, st: os.stat_result) -> str:
+    return (f"{rel} changed on disk after the family was made (its content is not the one recorded; modified "
+            f"{datetime.fromtimestamp(st.st_mtime, UTC).isoformat(timespec='seconds')}, a time that proves nothing); "
+            f"its drafts and calibration were made for the file as it was: specquant quantize FILE --family FOLDER "
+            f"makes the family of the file as it is now")
+
+
 def _file_problem(full: Path, rel: str, size: int, want: str, mtime_ns=None, sha=None) -> Optional[str]:
-    """Why the file of a variant record cannot be used: presence, size, modification time where the record has one
-    (a quantized parent's: when only it differs, as after a copy or a touch, the content is compared with the recorded
-    sha256 instead), GGUF header, file type (a header read)."""
+    """Why the file of a variant record cannot be used: presence (the file itself, not a symbolic link), size,
+    modification time where the record has one (a quantized parent's: when only it differs, as after a copy or a
+    touch, the content is compared with the recorded sha256 instead), GGUF header, file type (a header read). The
+    content fingerprint is Family.problem's (after these, which name what is wrong more exactly)."""
     from specquant_cli.family.ggufio import header_problem, read_file_type
 
     try:
+        st = os.lstat(full)
+        if stat.S_ISLNK(st.st_mode):
+            return (f"{rel} is a symbolic link (to {os.readlink(full)}), not the file itself: a family holds its own "
+                    "files, so that it loads wherever the folder goes; replace the link by a copy of its target")
         st = os.stat(full)
     except FileNotFoundError:
         return f"{rel} is missing"
@@ -453,10 +524,7 @@ def _file_problem(full: Path, rel: str, size: int, want: str, mtime_ns=None, sha
     if st.st_size != size:
         return f"{rel} is {st.st_size} bytes, the manifest says {size} (truncated or replaced)"
     if _is_int(mtime_ns) and st.st_mtime_ns != mtime_ns and not (isinstance(sha, str) and sha256_file(full) == sha):
-        return (f"{rel} changed on disk after the family was made (modified "
-                f"{datetime.fromtimestamp(st.st_mtime, UTC).isoformat(timespec='seconds')}); its drafts and "
-                f"calibration were made for the file as it was: specquant quantize FILE --out FOLDER makes the family "
-                f"of the file as it is now")
+        return _changed(rel, st)
     hp = header_problem(full)
     if hp:
         return f"{rel}: {hp}"
@@ -561,9 +629,11 @@ class Family:
             raise FamilyError(f"family {self.name}: the {key} variant's manifest record is not an object")
         return v
 
-    def problem(self, role: str, hashes: bool = False) -> Optional[str]:
-        """Why the `role` variant cannot be used (path, presence, size, GGUF header and file type; sha256 with
-        `hashes`)."""
+    def problem(self, role: str, hashes: bool = False, content: bool = True) -> Optional[str]:
+        """Why the `role` variant cannot be used (path, presence, size, GGUF header and file type; then its content:
+        the recorded fingerprint, fsutil.fingerprint, unless `content` is False; sha256 instead with `hashes`). A record
+        without a fingerprint (a family made before they were recorded) is checked as it always was: size, header and
+        type, and a quantized parent's modification time."""
         key = self._key(role)
         v = self.manifest["variants"].get(key)
         if v is None:
@@ -578,8 +648,13 @@ class Family:
             return "its size_bytes is missing or not a non-negative integer"
         full = self.staged.get(rel, full)
         why = _file_problem(full, rel, size, _wanted_type(v), v.get("mtime_ns"), v.get("sha256"))
-        if why or not hashes:
+        if why:
             return why
+        if not hashes:
+            fp = v.get("fingerprint")
+            if content and isinstance(fp, str) and fingerprint(full) != fp:
+                return _changed(rel, os.stat(full))
+            return None
         sha = v.get("sha256")
         if not isinstance(sha, str):
             return "no sha256 recorded"
@@ -594,9 +669,18 @@ class Family:
                 if isinstance(v, dict) and isinstance(v.get("sibling"), dict)]
 
     def hparams_of(self, role: str) -> dict:
-        """The hyperparameters of `role`'s network: a sibling's own, else the family's (every other variant is the
-        base's network)."""
+        """The hyperparameters of `role`'s network (what its KV cache is sized from), read from its file's header
+        (ggufio.read_hparams: a sibling's are its own network's), never from the manifest's copy; the manifest's only
+        while the file cannot be read (then it cannot be loaded either, and says why when asked)."""
+        from specquant_cli.family.ggufio import read_hparams
+
         v = self.manifest["variants"].get(self._key(role))
+        full, why = safe_path(self.root, v.get("path")) if isinstance(v, dict) else (None, "no record")
+        if not why:
+            try:
+                return read_hparams(self.staged.get(v["path"], full))
+            except ModelFileError:
+                pass
         sib = v.get("sibling") if isinstance(v, dict) else None
         hp = sib.get("hparams") if isinstance(sib, dict) else None
         if isinstance(hp, dict) and all(_is_int(x) and x >= 0 for x in hp.values()):
@@ -623,7 +707,8 @@ class Family:
         count, type and vocabulary with the manifest and the parent; `hashes` adds sha256."""
         from specquant_cli.family.ggufio import read_info
 
-        out: dict[str, Optional[str]] = {role: self.problem(role, hashes) for role in self.stored_roles()}
+        out: dict[str, Optional[str]] = {role: self.problem(role, hashes, content=not deep)
+                                         for role in self.stored_roles()}
         if not deep:
             return out
         infos = {}
@@ -647,6 +732,9 @@ class Family:
                 out[role] = f"{v['path']}: its weights are {info.file_type}, the manifest says {want}"
             elif parent is not None and info.vocab_sha256 != parent.vocab_sha256:
                 out[role] = f"{v['path']}: its vocabulary differs from the parent's"
+        for role in infos:  # the content last: a file replaced by another is named by what differs first
+            if out[role] is None and not hashes:
+                out[role] = self.problem(role)
         return out
 
     def verify(self, hashes: bool = True) -> list[str]:

@@ -6,13 +6,13 @@ or come as a sibling model (`--draft-model`). What is checked of such a base, an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specquant_cli.errors import InputError, ModelFileError
-from specquant_cli.family.ggufio import GGUFInfo, split_problem
+from specquant_cli.family.ggufio import GGUFInfo, claimed_bits, split_problem, type_problem, weight_bits
 from specquant_cli.family.roles import OWN, RENDERINGS
-from specquant_cli.family.variants import QuantType
+from specquant_cli.family.variants import QUANT_TYPES, QuantType
 
 # The quantized GGUFs specquant takes as a parent: llama.cpp's usual types from 4 bits up, as general.file_type
 # names them.
@@ -26,9 +26,11 @@ LOSSLESS_NOTE = ("the parent is the quantized file {file} ({type}) as given, nev
 
 
 def check_base(info: GGUFInfo, types: Sequence[QuantType], allow_requantize: bool) -> None:
-    """A base is one file (not a part of a split model); a quantized one is of a type specquant takes as a parent,
-    and drafts are quantized from it (`types` other than its own) only as asked (`--allow-requantize`)."""
-    why = split_problem(info)
+    """A base is one file (not a part of a split model) whose header's type is what its weights are (ggufio.
+    type_problem: a type is recorded, and a parent described, only once the weights bear it out); a quantized one is
+    of a type specquant takes as a parent, and drafts are quantized from it (`types` other than its own) only as asked
+    (`--allow-requantize`)."""
+    why = split_problem(info) or type_problem(info)
     if why:
         raise ModelFileError(why)
     if info.is_float:
@@ -49,13 +51,43 @@ def check_base(info: GGUFInfo, types: Sequence[QuantType], allow_requantize: boo
                          "itself is never rewritten), or give a smaller model of its vocabulary as --draft-model")
 
 
+def parent_bits(info: GGUFInfo) -> float:
+    """Bits per weight of a quantized parent's type, as the draft types are priced (variants.QUANT_TYPES; a type
+    they do not name: what its main tensor type stores, ggufio.claimed_bits)."""
+    kind = parent_type(info)
+    q = QUANT_TYPES.get(kind.lower())
+    return q.bpw if q is not None else (claimed_bits(kind) or weight_bits(info) or 0.0)
+
+
+def requantize_types(info: GGUFInfo, types: Sequence[QuantType], warn: Callable[[str], None]) -> list[QuantType]:
+    """`types` without the drafts that would not be smaller than the quantized parent `info` (as many bits per weight
+    or more: no faster to run, and no draft at all of a Q8_0 parent quantized to Q8_0 again), each one skipped with a
+    warning; InputError when every draft asked is such a one. A float base's types are all kept."""
+    if info.is_float:
+        return list(types)
+    bits, kind = parent_bits(info), parent_type(info)
+    drafts = [q for q in types if q.role != OWN]
+    dropped = [q for q in drafts if q.bpw >= bits]
+    if dropped and len(dropped) == len(drafts):
+        raise InputError(f"--types {','.join(q.name for q in dropped)}: the parent {info.path.name} is {kind} "
+                         f"(~{bits:g} bits per weight); a draft quantized from it must have fewer bits, or it is no "
+                         "faster than the parent: pick smaller types (e.g. q4_0), or give a smaller model of its "
+                         "vocabulary as --draft-model")
+    for q in dropped:
+        warn(f"--types {q.name}: skipped; a {q.name} draft (~{q.bpw:g} bits per weight) is no smaller than the parent "
+             f"{info.path.name} ({kind}, ~{bits:g}), so it could never be faster than the parent")
+    return [q for q in types if q not in dropped]
+
+
 def parent_type(info: GGUFInfo) -> str:
     """A quantized base's type as llama.cpp names it (general.file_type, else its most common weight type)."""
     return info.file_type or info.weight_type
 
 
 def own_record(path: Path, info: GGUFInfo) -> dict:
-    """What a quantized parent's record holds beyond a variant's: its type as llama.cpp names it (checked on every
-    load, as a sibling's), and its modification time, so that a file changed in place (the user's own, when the
-    family holds a hard link to it) is one clear error instead of answers from other weights."""
+    """What a quantized parent's record holds beyond a variant's: its type as llama.cpp names it (check_base has
+    borne it out by the weights; checked on every load, as a sibling's), and its modification time: when it differs
+    the full sha256 is compared, and every load compares the content fingerprint (variants.variant_record) whatever the
+    time says, so that a file changed in place (the user's own, when the family holds a hard link to it) is one clear
+    error instead of answers from other weights."""
     return {"file_type": parent_type(info), "mtime_ns": path.stat().st_mtime_ns}

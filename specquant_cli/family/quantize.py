@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,13 +16,14 @@ from typing import Optional
 from specquant_cli.errors import InputError, LlamaError, ModelFileError, ResourceError
 from specquant_cli.family import manifest as fam
 from specquant_cli.family.ggufio import GGUFInfo, NotExact, f16_of_bf16, read_info
-from specquant_cli.family.own import LOSSLESS_NOTE, OWN_TYPE, check_base, own_record, parent_type
+from specquant_cli.family.own import LOSSLESS_NOTE, OWN_TYPE, check_base, own_record, parent_type, requantize_types
 from specquant_cli.family.roles import OWN, RENDERINGS
 from specquant_cli.family.variants import QUANT_TYPES, QuantType, variant_record  # noqa: F401  (QuantType: named here too)
 from specquant_cli.fsutil import (
     check_folder_writable,
     commit_temp,
     create_temp,
+    fit_name,
     fsync_file,
     open_append_nofollow,
     remove_stale,
@@ -162,7 +164,10 @@ def quantize_one(src: Path, dst: Path, q: QuantType, expected: int, threads: int
 
 
 def stage_copy(src: Path, dst: Path) -> Path:
-    """A new temp file beside `dst` with `src`'s content: a hard link when possible, else a copy."""
+    """A new temp file beside `dst` with `src`'s content: a hard link when possible, else a copy. A symbolic link
+    given as `src` is resolved first: the family gets the file it names (link(2) would link the link itself, which
+    points elsewhere, or nowhere once the folder moves)."""
+    src = Path(os.path.realpath(src))
     for _ in range(64):
         tmp = dst.with_name(temp_name(dst.name))
         try:
@@ -272,12 +277,12 @@ def plan_steps(base: Path, info: GGUFInfo, out_dir: Path, stem: str, types: Sequ
     for q in types:
         if q.name == own:
             if base_inside:
-                steps.append(Step(q, base, "keep"))
+                steps.append(Step(q, out_dir / Path(os.path.realpath(base)).name, "keep"))
                 continue
-            dst = out_dir / base.name
+            dst = out_dir / fit_name(base.name)
             steps.append(Step(q, dst, "keep" if _same_content(dst, base, base_sha) else "place"))
             continue
-        dst = out_dir / f"{stem}-{q.name}.gguf"
+        dst = out_dir / fit_name(f"{stem}-{q.name}.gguf")
         if os.path.lexists(dst) and same_file(dst, base):
             raise InputError(f"output {dst} is the input base itself; choose another --out, or other --types")
         make = "derive" if q.name == "f16" and own == "bf16" else "build"
@@ -354,6 +359,15 @@ def build_manifest(old: Optional[dict], same_base: bool, name: str, info: GGUFIn
     return m
 
 
+def _family_name(manifest: Optional[dict]) -> Optional[str]:
+    """The family name a manifest records, when it can also begin the family's file names (one plain name: letters,
+    digits, '.', '_', '-', not starting with '.'); None otherwise."""
+    name = (manifest or {}).get("family")
+    if isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", name):
+        return name
+    return None
+
+
 def _set_aside(mpath: Path, why: str, warn: WarnFn) -> None:
     """A manifest we cannot read is not ours to throw away: it is kept beside the new one."""
     if mpath.is_symlink():
@@ -396,7 +410,7 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
                     force: bool = False, allow_requantize: bool = False, family_name: Optional[str] = None,
                     provenance: Optional[str] = None, notes: Optional[dict] = None,
                     progress: Optional[ProgressFn] = None, warn: Optional[WarnFn] = None,
-                    out_label: str = "--out", f16_if_exact: bool = False) -> dict:
+                    out_label: str = "--out", f16_if_exact: bool = False, replace_other: bool = True) -> dict:
     """Make every requested variant of `base` in `out_dir` and write `manifest.json`. Returns the manifest.
 
     Nothing in `out_dir` changes until every new file is complete: new variants are written under temp
@@ -406,12 +420,17 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
 
     The parent's renderings: the base's own is placed as it is; the F16 rendering of a BF16 base is made only
     when every weight comes back exactly (else InputError naming the tensor, or with `f16_if_exact` a warning
-    and no F16 rendering); an F16 base is never rounded to BF16 (check_renderings)."""
+    and no F16 rendering); an F16 base is never rounded to BF16 (check_renderings).
+
+    The family keeps its name (the manifest's) when it is made again of the same base; files of variants the new
+    manifest no longer names are removed (remove_dropped). A folder holding a family of another base is rebuilt,
+    unless `replace_other` is False: InputError then, and nothing changes."""
     warn = warn or fam.silent
     base = Path(base)
     info = read_info(base)
     check_base(info, types, allow_requantize)
     check_renderings(info, types)
+    types = requantize_types(info, types, warn)
     if base_rendering(info) == OWN and OWN_TYPE not in types:  # a quantized base is always its family's parent
         types = [*types, OWN_TYPE]
         notes = {**(notes or {}), "parent": LOSSLESS_NOTE.format(file=base.name, type=parent_type(info))}
@@ -421,12 +440,16 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
     with fam.family_lock(out_dir):  # one update of a folder at a time; FamilyError while another runs
         fam.recover(out_dir, warn)
         remove_stale(out_dir)
-        stem = family_name or out_dir.resolve().name
         old, unusable = fam.read_existing(out_dir)
         base_sha = sha256_file(base)
         old_base = old.get("base") if old and isinstance(old.get("base"), dict) else {}
         same_base = old is not None and old_base.get("sha256") == base_sha
         rebuild_all = old is not None and bool(old_base.get("sha256")) and not same_base
+        stem = family_name or (_family_name(old) if same_base else None) or out_dir.resolve().name
+        if rebuild_all and not replace_other:
+            raise InputError(f"{out_dir} holds another family ({_family_name(old) or 'unnamed'}, made from "
+                             f"{old_base.get('file') or 'another base'}, not from {base.name}); pass --force to "
+                             "replace it, or make this one in another folder")
         if rebuild_all:
             warn(f"{out_dir} holds a family made from another base; rebuilding every variant")
         steps = plan_steps(base, info, out_dir, stem, types, force, base_sha, rebuild_all, warn)
@@ -476,6 +499,9 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
             if unusable:
                 _set_aside(out_dir / fam.MANIFEST, unusable, warn)
             fam.commit(out_dir, [(t, s.dst) for t, s in staged], manifest)
+            removed = fam.remove_dropped(out_dir, old, manifest, spare=base, warn=warn)
+            if removed:
+                warn(f"removed {', '.join(removed)} from {out_dir}: the files of variants the manifest no longer names")
             if rebuild_all:  # another base's measured costs (a quantized parent's are its file's): measured again
                 (out_dir / CALIBRATION).unlink(missing_ok=True)
         finally:

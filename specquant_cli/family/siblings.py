@@ -2,12 +2,14 @@
 beside the 1.5B), recorded in the family as a draft role (`add_sibling`, from `quantize --draft-model` and `pull`).
 
 A sibling is accepted only when it speaks exactly the parent's vocabulary (family.vocab: token count, every token's
-text and type, the special tokens; the first difference is named) and is no bigger than the parent. Any GGUF type is
-accepted: a draft never decides what is said. Its file is copied (hard-linked where it can be) into the family folder
-and committed with the new manifest through the family's journal (family.manifest.commit), so a refused or
-interrupted addition leaves the family as it was. Its record carries a `sibling` object — its architecture,
-parameter count, file type, hyperparameters (its KV cache is its own, sized from them), where it came from — and the
-rest of specquant reads it through `Family.siblings()` and `Family.hparams_of(role)`. A sibling never imports the
+text and type, the special tokens; the first difference is named), is no bigger than the parent and is not the
+parent's own file (nor any variant's). Any GGUF type is accepted (its header's type borne out by its weights): a draft
+never decides what is said. Its file is copied (hard-linked where it can be; a symbolic link given is the file it
+names, never stored as a link) into the family folder and committed with the new manifest through the family's
+journal (family.manifest.commit), so a refused or interrupted addition leaves the family as it was. Its record carries
+a `sibling` object — its architecture, parameter count, file type, hyperparameters, where it came from — and the rest
+of specquant reads it through `Family.siblings()` and `Family.hparams_of(role)` (which reads its KV cache's
+hyperparameters from the file's own header, not from the record). A sibling never imports the
 parent's KV cache (another network's layout): it prefills the prompt itself, and every plan and figure counts that."""
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from typing import Optional
 
 from specquant_cli.errors import InputError
 from specquant_cli.family import manifest as fam
-from specquant_cli.family.ggufio import GGUFInfo, read_info, split_problem
+from specquant_cli.family.ggufio import GGUFInfo, read_info, split_problem, type_problem
 from specquant_cli.family.roles import PARENT_ROLE, RESERVED, ROLE_RE, ROLE_RULE, builtin_draft_roles
 from specquant_cli.family.variants import QUANT_TYPES, variant_record
 from specquant_cli.family.vocab import read_vocab, vocab_difference
-from specquant_cli.fsutil import remove_stale, sha256_file
+from specquant_cli.fsutil import fit_name, remove_stale, same_file, sha256_file
 
 DEFAULT_SIBLING_ROLE = "sibling"
 WarnFn = fam.WarnFn
@@ -55,9 +57,14 @@ def check_sibling(parent: Path, draft: Path) -> GGUFInfo:
     readable, complete GGUF (any type), the parent's vocabulary exactly, and no more parameters than the parent.
     InputError (one line) else."""
     draft = Path(draft)
-    info = read_info(draft)  # ModelFileError: missing, not a GGUF, truncated or corrupt
-    if split_problem(info):
-        raise InputError(f"--draft-model {split_problem(info)}")
+    info = read_info(draft)  # ModelFileError: missing, not a GGUF, a FIFO, truncated or corrupt, a split's part
+    why = split_problem(info) or type_problem(info)
+    if why:
+        raise InputError(f"--draft-model {why}")
+    if same_file(parent, draft) or (os.path.getsize(parent) == os.path.getsize(draft)
+                                    and sha256_file(parent) == sha256_file(draft)):
+        raise InputError(f"--draft-model {draft}: is the parent's own file ({Path(parent).name}); a sibling draft is "
+                         "a smaller model of the parent's vocabulary")
     why = vocab_difference(read_vocab(parent), read_vocab(draft), "sibling")
     if why:
         raise InputError(f"--draft-model {draft}: not the parent's vocabulary ({why}); a draft must speak it exactly")
@@ -69,9 +76,10 @@ def check_sibling(parent: Path, draft: Path) -> GGUFInfo:
 
 
 def sibling_file_name(role: str, draft: Path) -> str:
-    """`<role>-<the file's own name>` (characters other than letters, digits, '.', '_' and '-' replaced)."""
+    """`<role>-<the file's own name>` (characters other than letters, digits, '.', '_' and '-' replaced; a name too long
+    for the file system shortened, fsutil.fit_name)."""
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(draft).name)
-    return f"{role}-{stem}" if stem.endswith(".gguf") else f"{role}-{stem}.gguf"
+    return fit_name(f"{role}-{stem}" if stem.endswith(".gguf") else f"{role}-{stem}.gguf")
 
 
 def add_sibling(root: Path, draft: Path, role: str = DEFAULT_SIBLING_ROLE, *, source: Optional[str] = None,
@@ -91,7 +99,7 @@ def add_sibling(root: Path, draft: Path, role: str = DEFAULT_SIBLING_ROLE, *, so
         check_sibling_role(role, family)
         old = family.manifest["variants"].get(role)
         dst = root / sibling_file_name(role, draft)
-        taken = _names_in_use(family.manifest, but=role)
+        taken = fam.names_in_use(family.manifest, but=role)
         if dst.name in taken:
             raise InputError(f"--draft-model {draft}: it would be copied to {dst.name}, a file the family already "
                              "uses; rename it or pick another --draft-role")
@@ -99,6 +107,10 @@ def add_sibling(root: Path, draft: Path, role: str = DEFAULT_SIBLING_ROLE, *, so
         sha = sha256_file(draft)
         if old is not None and old.get("sha256") == sha and family.problem(role, hashes=True) is None:
             return family.manifest, False
+        for other, v in family.manifest["variants"].items():
+            if other != role and isinstance(v, dict) and v.get("sha256") == sha:
+                raise InputError(f"--draft-model {draft}: is the family's own {other} variant ({v.get('path')}); a "
+                                 "sibling draft is another, smaller model of the parent's vocabulary")
         if old is not None and not force:
             raise InputError(f"--draft-role {role}: the family has a sibling {role} already ({old.get('path')}); "
                              "pass --force to replace it")
@@ -123,28 +135,11 @@ def add_sibling(root: Path, draft: Path, role: str = DEFAULT_SIBLING_ROLE, *, so
     return manifest, True
 
 
-def _names_in_use(manifest: dict, but: str = "") -> set[str]:
-    """The family folder's file names a manifest uses (every variant's but `but`'s, the imatrix, grading plans) and
-    its own files."""
-    names = set(fam.RESERVED)
-    for role, v in manifest.get("variants", {}).items():
-        if role != but and isinstance(v, dict) and isinstance(v.get("path"), str):
-            names.add(v["path"])
-    imx = manifest.get("imatrix")
-    if isinstance(imx, dict) and isinstance(imx.get("file"), str):
-        names.add(imx["file"])
-    for v in manifest.get("variants", {}).values():
-        grade = v.get("grade") if isinstance(v, dict) else None
-        if isinstance(grade, dict) and isinstance(grade.get("plan_file"), str):
-            names.add(grade["plan_file"])
-    return names
-
-
 def _remove_replaced(root: Path, old: Optional[dict], manifest: dict, warn: WarnFn) -> None:
     """The file of the sibling record `old` that the new manifest replaced: removed only when it is a plain GGUF
     file name of this folder that nothing in the new manifest uses (a record is not trusted to name it)."""
     name = old.get("path") if isinstance(old, dict) else None
-    if not isinstance(name, str) or "/" in name or not name.endswith(".gguf") or name in _names_in_use(manifest):
+    if not isinstance(name, str) or "/" in name or not name.endswith(".gguf") or name in fam.names_in_use(manifest):
         return
     path = root / name
     try:

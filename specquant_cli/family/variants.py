@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Optional
 
-from specquant_cli.fsutil import sha256_file
+from specquant_cli.fsutil import fingerprint, sha256_file
 
 
 @dataclass(frozen=True)
@@ -79,15 +79,16 @@ RECIPES = {r.role: r for r in (
 def variant_record(path: Path, type_name: str, role: str, n_params: int, name: str,
                    created: Optional[datetime] = None, sha: Optional[str] = None, extra: Optional[dict] = None) -> dict:
     """The manifest's record of the variant file at `path` (committed under `name` in the family folder):
-    its type and role, size, bits per weight over `n_params`, sha256 (`sha` when already known), creation
-    time (`created`, else the file's mtime) and the llama-cpp-python that made it; then `extra` (a
-    recipe's own keys)."""
+    its type and role, size, bits per weight over `n_params`, sha256 (`sha` when already known), content
+    fingerprint (fsutil.fingerprint: what every load checks), creation time (`created`, else the file's mtime) and
+    the llama-cpp-python that made it; then `extra` (a recipe's own keys)."""
     import llama_cpp
 
     st = path.stat()
     return {
         "type": type_name, "role": role, "path": name, "size_bytes": st.st_size,
         "bits_per_weight": round(st.st_size * 8 / max(1, n_params), 3), "sha256": sha or sha256_file(path),
+        "fingerprint": fingerprint(path),
         "created": (created or datetime.fromtimestamp(st.st_mtime, UTC)).isoformat(timespec="seconds"),
         "llama_cpp_python": llama_cpp.__version__,
         **(extra or {}),

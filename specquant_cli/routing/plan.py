@@ -23,8 +23,9 @@ GammaPolicyKind = Literal["none", "fixed", "adaptive", "calibrated", "capped"]
 class PlanContext:
     """What a planner sees of one prompt: its route, copy potential, the roles it may pick (the family's,
     those that fit), this machine's measured costs (None: uncalibrated), the prompt's length and the answer's
-    (at most: `answer_tokens`). Attention costs grow with the context, and a model draft imports the parent's
-    cache of the prompt once per answer. What the session has measured so far is the planner's own state."""
+    (at most: `answer_tokens`), and the length of its prediction (a copied answer). Attention costs grow with the
+    context, and a model draft imports the parent's cache of the prompt once per answer. What the session has
+    measured so far is the planner's own state."""
 
     policy: str
     tier: Optional[Tier]
@@ -33,6 +34,7 @@ class PlanContext:
     calibration: object = None
     prompt_tokens: int = 0
     answer_tokens: int = 0
+    prediction: int = 0  # tokens of the text the answer is expected to resemble (Predicted Outputs); 0: none
 
     @property
     def position(self) -> int:

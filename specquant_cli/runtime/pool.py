@@ -35,7 +35,7 @@ class Models(Protocol):
     def fits(self, roles: list[str]) -> bool: ...
     def fit_problem(self, roles: list[str]) -> Optional[str]: ...
     def release(self, roles: list[str]) -> None: ...
-    def release_idle(self, idle_s: float = ...) -> list[str]: ...
+    def release_idle(self, idle_s: Optional[float] = ...) -> list[str]: ...
     def reset_caches(self) -> None: ...
     def close(self) -> None: ...
 
@@ -164,8 +164,10 @@ class ModelPool:
             if ctx is not None:
                 ctx.model.close()
 
-    def release_idle(self, idle_s: float = IDLE_RELEASE_S) -> list[str]:
-        """Release the drafts no plan has asked for in `idle_s` seconds (the parent stays); returns them."""
+    def release_idle(self, idle_s: Optional[float] = None) -> list[str]:
+        """Release the drafts no plan has asked for in `idle_s` seconds (default IDLE_RELEASE_S; the parent stays);
+        returns them."""
+        idle_s = IDLE_RELEASE_S if idle_s is None else idle_s
         now = time.monotonic()
         idle = [r for r in self._ctx if r != PARENT_ROLE and now - self._used.get(r, now) > idle_s]
         self.release(idle)
@@ -192,11 +194,14 @@ def plannable_roles(pool: Models) -> tuple[str, ...]:
 
 
 def unfit_roles(pool: Models) -> dict[str, str]:
-    """The family's roles a planner may not pick now, each with why: a draft that does not fit beside what is
-    loaded (system.placement's numbers), or one a serving slot has no view of."""
+    """The family's roles a planner may not pick now, each with why: the parent itself when it is not loaded and
+    does not fit alone (then no plan runs here: said first), a draft that does not fit beside what is loaded
+    (system.placement's numbers), or one a serving slot has no view of."""
     loaded = pool.loaded()
     base = [PARENT_ROLE, *(r for r in loaded if r != PARENT_ROLE)]
     out = {}
+    if PARENT_ROLE not in loaded and (why := pool.fit_problem(base)) is not None:
+        out[PARENT_ROLE] = why
     for r in pool.family.roles():
         if r not in base and (why := pool.fit_problem([*base, r])) is not None:
             out[r] = why

@@ -2,9 +2,10 @@
 
 The guard (outermost) checks the API key, logs one line per request on stderr and turns any escaped
 exception into a bare 500; the routes read the body themselves (size cap, stall timeout, strict JSON), validate
-it through `schemas`, queue a `worker.Job` and answer with one JSON object or an SSE stream.
+it through `schemas` (`responses` for /v1/responses, which it reads into a chat completion), queue a `worker.Job`
+and answer with one JSON object or an SSE stream.
 
-Why one file of ~520 lines: the guard and the routes are the whole HTTP surface, read together when one asks
+Why one file of ~600 lines: the guard and the routes are the whole HTTP surface, read together when one asks
 what a client can send and what it gets back."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specquant_cli.serving.metrics import CONTENT_TYPE, Metrics, Observation, outcome_of
+from specquant_cli.serving.responses import ResponseMaker, responses_params
 from specquant_cli.serving.schemas import (
     ApiError,
     ChunkMaker,
@@ -124,6 +126,10 @@ def create_app(svc: Service):
     async def completions(request: Request):
         return await _generate(svc, request, metrics.observe(), chat=False)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await _respond(svc, request, metrics.observe())
+
     return Guard(app, svc.api_keys, public=PUBLIC_PATHS, policy=svc.origin_policy)
 
 
@@ -152,7 +158,7 @@ async def _generate(svc: Service, request: Request, obs: Observation, chat: bool
             raise payload
         if params.stream:
             watcher.cancel()  # from here Starlette's own listener cancels the stream on a disconnect
-            maker = ChunkMaker(chat, svc.family.name, params.include_usage, params.tool_calls, _lp(svc, params))
+            maker = ChunkMaker(chat, svc.family.name, params.include_usage, params, _lp(svc, params))
             return StreamingResponse(_sse(svc, job, maker, answer, payload, notes, obs),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -171,8 +177,52 @@ async def _generate(svc: Service, request: Request, obs: Observation, chat: bool
         watcher.cancel()
 
 
-async def _admit(svc: Service, request: Request, obs: Observation, chat: bool) -> tuple[GenerationParams, Job]:
-    """The request's params and its job, queued; a request refused before that is observed as rejected."""
+async def _respond(svc: Service, request: Request, obs: Observation):
+    """POST /v1/responses: the chat machinery's answer as a response object or its stream of events
+    (serving.responses)."""
+    holder: list = []
+    params, job = await _admit(svc, request, obs, chat=True, read=_responses_reader(holder))
+    req = holder[0]
+    notes = _notes(request)
+    notes["end"] = lambda: _end(svc, job, obs)
+
+    watcher = asyncio.create_task(_watch_disconnect(request, svc, job))
+    try:
+        answer, kind, payload = await _first(job)
+        if kind == "error":
+            raise payload
+        maker = ResponseMaker(req, svc.family.name)
+        if params.stream:
+            watcher.cancel()
+            return StreamingResponse(_response_sse(svc, job, maker, answer, payload, notes, obs),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, rec = await _collect(job, answer, payload, notes, obs)
+        response = JSONResponse(maker.whole(text, answer, rec))
+        obs.end("served")
+        return response
+    except BaseException as e:
+        obs.end(outcome_of(e))
+        raise
+    finally:
+        watcher.cancel()
+
+
+def _responses_reader(holder: list) -> Callable:
+    """A `read` for _admit that validates a Responses body (serving.responses) and keeps the request in `holder`."""
+
+    def read(body, resolve, model) -> GenerationParams:
+        req = responses_params(body, resolve, model)
+        holder.append(req)
+        return req.params
+
+    return read
+
+
+async def _admit(svc: Service, request: Request, obs: Observation, chat: bool,
+                 read: Optional[Callable] = None) -> tuple[GenerationParams, Job]:
+    """The request's params and its job, queued; a request refused before that is observed as rejected. `read`:
+    what validates a chat-like body (default schemas.chat_params)."""
     try:
         body = await read_json(request, svc.max_body)
         header_policy = request.headers.get(POLICY_HEADER)
@@ -183,10 +233,12 @@ async def _admit(svc: Service, request: Request, obs: Observation, chat: bool) -
         if chat:  # a grammar compiles off the event loop (a large schema takes a while), a few at once, and only
             svc.worker.check_room()  # for a request the queue would take
             async with svc.compiling:
-                params = await asyncio.to_thread(chat_params, body, resolve, svc.runtime.tokenizer())
+                params = await asyncio.to_thread(read or chat_params, body, resolve, svc.runtime.tokenizer())
         else:
             params = completion_params(body, resolve)
-        params = replace(params, scope=svc.scope_of(_notes(request).get("tenant") or "", params.salt))
+        predicted = await asyncio.to_thread(svc.prediction_tokens, params.prediction) if params.prediction else None
+        params = replace(params, scope=svc.scope_of(_notes(request).get("tenant") or "", params.salt),
+                         prediction=predicted)
         job = Job(params, asyncio.get_running_loop())
         svc.worker.submit(job)
     except ApiError:
@@ -285,6 +337,42 @@ async def _sse(svc: Service, job: Job, maker: ChunkMaker, answer, first, notes: 
 
 def _event(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _response_sse(svc: Service, job: Job, maker: ResponseMaker, answer, first, notes: dict,
+                        obs: Observation) -> AsyncIterator[str]:
+    """The Responses stream: each event as `event: TYPE` and `data: JSON`; no [DONE]."""
+    outcome = None
+    try:
+        for event in maker.start():
+            yield _typed(event)
+        kind, payload = "record", first
+        while True:
+            if kind == "error":
+                notes["error"] = payload.message
+                for event in maker.error(payload):
+                    yield _typed(event)
+                outcome = outcome_of(payload)
+                return
+            rec = payload
+            notes["gen"] = (answer, rec)
+            obs.record(answer, rec)
+            for event in maker.text(rec):
+                yield _typed(event)
+            if rec.finish_reason is not None:
+                for event in maker.finish(answer, rec):
+                    yield _typed(event)
+                outcome = "served"
+                return
+            kind, payload = await job.get()
+    finally:
+        if outcome is None:
+            svc.worker.cancel(job, disconnected())
+        obs.end(outcome or "cancelled")
+
+
+def _typed(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 # -- body -----------------------------------------------------------------------------------------

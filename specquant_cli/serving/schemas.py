@@ -5,7 +5,11 @@ honour (n > 1, images, penalties, logit_bias, ...) is refused with a 400 naming 
 silently ignored; structured output (response_format, tools, logprobs) is read by serving.structured; fields
 that change nothing about the output (user, metadata, store, ...) are accepted.
 The fields specquant reads are strict: no coercion ("4" is not 4, true is not 1), no NaN, bounded integers,
-and every string that reaches the model is valid Unicode (JSON can carry a lone surrogate, UTF-8 cannot)."""
+and every string that reaches the model is valid Unicode (JSON can carry a lone surrogate, UTF-8 cannot).
+
+Why one file of ~550 lines: it is the wire format, requests and responses of every endpoint together; a field's
+refusal and the builder that writes it back stay side by side (the Responses API, serving.responses, translates to
+and from these models rather than holding a second format)."""
 
 from __future__ import annotations
 
@@ -85,12 +89,13 @@ class StreamOptions(_Lenient):
 
 class ContentPart(_Lenient):
     type: str
-    text: Optional[NonEmptyText] = None
+    text: Optional[Text] = None  # may be empty, as a message's content may
 
 
 class Message(_Lenient):
     role: str
-    # null, empty or absent only beside an assistant's tool_calls or in a tool's result (serving.structured.history)
+    # empty in any role; null or absent only beside an assistant's tool_calls or in a tool's result
+    # (serving.structured.history)
     content: Union[Text, Annotated[list[ContentPart], Field(min_length=1)], None] = None
 
 
@@ -109,6 +114,7 @@ class _Common(_Lenient):
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, Any]] = None
     specquant_policy: Optional[Text] = None
+    prediction: Optional[Any] = None  # OpenAI's Predicted Outputs: read by `_prediction`
     # vLLM's field: the prompt cache, prefix sharing and drafting memory this request may use are narrowed to the
     # requests of its tenant that send the same salt (never widened: another tenant's are never used)
     cache_salt: Optional[Annotated[Text, AfterValidator(_non_empty), Field(max_length=MAX_SALT)]] = None
@@ -152,6 +158,9 @@ class GenerationParams:
     tool_calls: bool = False  # the answer is read for tool calls (finish_reason "tool_calls")
     top_logprobs: Optional[int] = None  # logprobs asked, with that many alternatives
     scope: str = ""  # what the request may share with others (its tenant and salt: Service.scope_of), set on admission
+    prediction: Any = None  # the text the answer is expected to resemble (`prediction`), its token ids once admitted
+    max_tokens_param: str = "max_tokens"  # the request's field that set max_tokens (an error names it)
+    prompt_param: str = "messages"  # the request's field that holds the prompt (an error names it)
 
 
 def _validate(model: type[BaseModel], body: Any) -> Any:
@@ -199,6 +208,49 @@ def _refuse_common(req: _Common) -> None:
         raise _unsupported("logit_bias")
 
 
+def _excluded(req: _Common, **chat) -> dict[str, bool]:
+    """What OpenAI refuses beside a prediction (Predicted Outputs), besides n > 1 and penalties above 0 (refused here
+    with or without one): request field -> whether the request sets it so; `chat`: the chat request's own fields."""
+    extra = req.model_extra or {}
+    return {**chat, "audio": extra.get("audio") is not None,
+            "modalities": extra.get("modalities") not in (None, ["text"])}
+
+
+def _prediction(req: _Common, excluded: dict[str, bool]) -> Optional[str]:
+    """The text of the request's `prediction` (OpenAI's Predicted Outputs: {"type": "content", "content": a string or
+    an array of text parts, joined as they are}), None without one; refused in OpenAI's way: a malformed one, or one
+    beside a field Predicted Outputs does not take (`excluded`: _excluded)."""
+    p = req.prediction
+    if p is None:
+        return None
+    if not isinstance(p, dict):
+        raise ApiError(400, "prediction must be an object: {\"type\": \"content\", \"content\": ...}",
+                       param="prediction", code="invalid_type")
+    if p.get("type") != "content":
+        raise ApiError(400, f"invalid prediction type {p.get('type')!r}: the only type is 'content'",
+                       param="prediction.type", code="invalid_value")
+    content = p.get("content")
+    if isinstance(content, list) and content:
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, "a prediction content part is {\"type\": \"text\", \"text\": ...}",
+                               param=f"prediction.content[{j}]", code="invalid_value")
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise ApiError(400, "prediction content must be a string or a non-empty array of text parts",
+                       param="prediction.content", code="invalid_value")
+    try:
+        _unicode(content)
+    except PydanticCustomError as e:
+        raise ApiError(400, f"invalid value for prediction.content: {e.message()}", param="prediction.content",
+                       code="invalid_value") from None
+    for name, sets in excluded.items():
+        if sets:
+            raise ApiError(400, f"'{name}' is not supported with 'prediction' (Predicted Outputs)", param=name,
+                           code="unsupported_parameter")
+    return content
+
+
 def _stops(stop: Union[str, list[str], None]) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP:
@@ -227,7 +279,7 @@ def _text_content(content: Union[str, list[ContentPart]], i: int) -> str:
 
 
 def _messages(msgs: list[Message]) -> list[dict]:
-    from specquant_cli.serving.structured import history
+    from specquant_cli.serving.structured import check_links, history
 
     out = []
     for i, m in enumerate(msgs):
@@ -243,6 +295,7 @@ def _messages(msgs: list[Message]) -> list[dict]:
     if not any(m["role"] == "user" for m in out):
         raise ApiError(400, "messages must contain at least one user message", param="messages",
                        code="invalid_value")
+    check_links(out)
     return out
 
 
@@ -266,6 +319,9 @@ def _chat_params(body: Any, resolve_policy: Callable[[Optional[str]], str], mode
     for name in ("functions", "function_call"):
         if getattr(req, name) is not None:
             raise _unsupported(name, "the deprecated form: use tools and tool_choice")
+    prediction = _prediction(req, _excluded(req, logprobs=bool(req.logprobs) or req.top_logprobs is not None,
+                                            max_completion_tokens=req.max_completion_tokens is not None,
+                                            tools=req.tools is not None))
     wants = req.tools is not None or req.tool_choice is not None or req.logprobs or req.top_logprobs is not None \
         or (req.response_format or {}).get("type", "text") != "text"
     form = structure(req, model) if wants and model is not None else Structure()
@@ -278,10 +334,11 @@ def _chat_params(body: Any, resolve_policy: Callable[[Optional[str]], str], mode
         check_history(messages, model)
     return GenerationParams(policy=resolve_policy(req.specquant_policy), sampling=_sampling(req),
                             max_tokens=req.max_completion_tokens or req.max_tokens, stop=_stops(req.stop),
+                            max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
                             messages=messages, stream=bool(req.stream),
                             include_usage=bool(req.stream_options and req.stream_options.include_usage),
                             salt=req.cache_salt, grammar=form.grammar, tools=form.tools, tool_calls=form.calls,
-                            top_logprobs=form.top_logprobs)
+                            top_logprobs=form.top_logprobs, prediction=prediction)
 
 
 def completion_params(body: Any, resolve_policy: Callable[[Optional[str]], str]) -> GenerationParams:
@@ -296,6 +353,7 @@ def completion_params(body: Any, resolve_policy: Callable[[Optional[str]], str])
         raise _unsupported("suffix")
     if req.logprobs:
         raise _unsupported("logprobs")
+    prediction = _prediction(req, _excluded(req))
     prompt = req.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -304,9 +362,10 @@ def completion_params(body: Any, resolve_policy: Callable[[Optional[str]], str])
     if not prompt:
         raise ApiError(400, "prompt is empty", param="prompt", code="invalid_value")
     return GenerationParams(policy=resolve_policy(req.specquant_policy), sampling=_sampling(req),
-                            max_tokens=req.max_tokens, stop=_stops(req.stop), prompt=prompt, stream=bool(req.stream),
+                            max_tokens=req.max_tokens, stop=_stops(req.stop), prompt=prompt, prompt_param="prompt",
+                            stream=bool(req.stream),
                             include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                            salt=req.cache_salt)
+                            salt=req.cache_salt, prediction=prediction)
 
 
 # -- responses ----------------------------------------------------------------------------------------
@@ -324,9 +383,14 @@ def finish_reason(last) -> str:
 
 
 def usage(last) -> dict:
+    """OpenAI's usage object. completion_tokens are the answer's tokens; the prediction's tokens the parent verified
+    and did not keep are counted apart (rejected_prediction_tokens), not in them: no one is billed here."""
     return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.new_tokens,
             "total_tokens": last.prompt_tokens + last.new_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens(last)}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens(last)},
+            "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+                                          "accepted_prediction_tokens": last.prediction_accepted,
+                                          "rejected_prediction_tokens": last.prediction_rejected}}
 
 
 def cached_tokens(last) -> int:
@@ -374,7 +438,7 @@ def chat_response(rid: str, created: int, model: str, text: str, answer, last, p
     its `logprobs.content` entries when asked."""
     from specquant_cli.serving.structured import message
 
-    msg, finish = message(text, finish_reason(last), bool(params and params.tool_calls))
+    msg, finish = message(text, finish_reason(last), params)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": msg,
                          "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
@@ -389,12 +453,13 @@ def completion_response(rid: str, created: int, model: str, text: str, answer, l
 
 
 class ChunkMaker:
-    """The chunks of one streamed answer, chat or completion, sharing id, created and model. A chat answer read for
-    tool calls (`calls`) streams its text until it opens a call, and then each call whole as a `tool_calls` delta
-    (toolcalls.ToolStream); `lp`: a function from the parent's TokenLogprob entries to `logprobs.content` (None:
-    not asked)."""
+    """The chunks of one streamed answer, chat or completion, sharing id, created and model, to the request `params`.
+    A chat answer read for tool calls streams its text as long as it opens no call (toolcalls.ToolStream); the calls
+    of one that does go out once it has finished, each whole as a `tool_calls` delta, as serving.structured.outcome
+    decides for the answer whole (a cut answer sends none, and no markup); `lp`: a function from the parent's
+    TokenLogprob entries to `logprobs.content` (None: not asked)."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool, calls: bool = False,
+    def __init__(self, chat: bool, model: str, include_usage: bool, params: Optional[GenerationParams] = None,
                  lp: Optional[Callable[[list], list]] = None):
         from specquant_cli.toolcalls import ToolStream
 
@@ -403,7 +468,9 @@ class ChunkMaker:
         self.created = now()
         self.model = model
         self.include_usage = include_usage
-        self.tools = ToolStream() if calls and chat else None
+        self.params = params if chat else None
+        self.tools = ToolStream() if params is not None and params.tool_calls and chat else None
+        self._text: list[str] = []  # the answer so far
         self.lp = lp
         self._lps: list = []  # entries not yet sent (their text held back)
         self._planned = False  # a chunk carried the plan
@@ -443,33 +510,34 @@ class ChunkMaker:
     def text(self, answer, rec) -> Optional[dict]:
         """A piece of text, with its spans and the running figures (and the plan, if no chunk had it yet); None
         while nothing can go out (text that may still open a tool call)."""
-        from specquant_cli.serving.structured import tool_call
-
         self._lps += rec.logprobs
-        text, calls = rec.text, None
-        if self.tools is not None:
-            items = self.tools.feed(rec.text)
-            text = "".join(x for kind, x in items if kind == "text")
-            n = self.tools.calls - sum(kind == "call" for kind, _ in items)
-            calls = [tool_call(n + i, c) for i, c in enumerate(x for kind, x in items if kind == "call")] or None
-        if not text and not calls:
+        self._text.append(rec.text)
+        text = rec.text
+        if self.tools is not None:  # calls wait for the answer's end (outcome)
+            text = "".join(x for kind, x in self.tools.feed(rec.text) if kind == "text")
+        if not text:
             return None
         info = {"spans": spans_info(rec), **running_info(rec)}
         if not self._planned:
             self._planned = True
             info.update(plan_info(answer))
-        return self._chunk([self._choice(text, None, calls=calls)], specquant=info)
+        return self._chunk([self._choice(text, None)], specquant=info)
 
     def finish(self, answer, last) -> list[dict]:
-        """The chunks that end the stream: text held back that never opened a call, then the finish reason."""
+        """The chunks that end the stream: the answer's calls, or text held back that never opened a call, then the
+        finish reason (serving.structured.outcome of the whole answer)."""
+        from specquant_cli.serving.structured import answer_outcome, tool_call
+
         out = []
-        finish = finish_reason(last)
+        o = answer_outcome("".join(self._text), finish_reason(last), self.params)
+        finish = o.finish
         if self.tools is not None:
             rest = self.tools.rest()
-            if rest or self._lps:
-                out.append(self._chunk([self._choice(rest, None)]))
-            if self.tools.calls and finish == "stop":
-                finish = "tool_calls"
+            if o.calls:
+                out.append(self._chunk([self._choice(None, None, calls=[tool_call(i, c)
+                                                                      for i, c in enumerate(o.calls)])]))
+            elif (rest and o.content) or self._lps:
+                out.append(self._chunk([self._choice(rest if o.content else "", None)]))
         out.append(self._chunk([self._choice(None if self.chat else "", finish)],
                                specquant=specquant_info(answer, last)))
         return out

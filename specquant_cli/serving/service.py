@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Optional
 
-from specquant_cli.errors import SpecquantError
+from specquant_cli.errors import InputError, SpecquantError
 from specquant_cli.family.manifest import MANIFEST
 from specquant_cli.serving.schemas import ApiError, GenerationParams
 from specquant_cli.serving.security import OriginPolicy
@@ -58,9 +58,6 @@ class Service:
         self.compiling = asyncio.Semaphore(COMPILES)  # requests' grammars compiled at once (serving.app)
         self.parent_tokens_per_s = parent_rate(runtime)  # read once: the runtime belongs to the worker thread
         self.created = created_at(family)  # read once: the folder may change (or go) while serving
-        # What each loaded model's KV cache was sized for: positions for every sequence that runs, and sequences.
-        self.kv = {role: {"positions": ctx.n_ctx, "sequences": ctx.n_seq_max}
-                   for role, ctx in runtime.pool.contexts().items()}
         self.bound_port: Optional[int] = None  # the port uvicorn listens on, once it does
         self.exiting = threading.Event()  # set on SIGINT/SIGTERM: no restart after that
         self._lost = threading.Event()  # the parent is gone (first report handled)
@@ -97,6 +94,13 @@ class Service:
             args = with_port(sys.argv[1:], self.bound_port)
             os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # ggml's sockets are not close-on-exec
             os.execv(sys.executable, [sys.executable, "-m", "specquant_cli", *args])
+
+    @property
+    def kv(self) -> dict:
+        """The KV cache of each model loaded now (a draft released after idling is gone, one loaded later is there):
+        positions for every sequence that runs, and sequences. Read from the pool's table as it stands (a copy)."""
+        return {role: {"positions": ctx.n_ctx, "sequences": ctx.n_seq_max}
+                for role, ctx in self.runtime.pool.contexts().items()}
 
     def prompt_cache_status(self) -> Optional[dict]:
         """The prompt cache's use and budget, and the prefixes taken from it and from other slots (None: no
@@ -139,6 +143,34 @@ class Service:
             return model.chat_prompt(params.messages, params.tools)
         return model.tokenize(params.prompt, add_bos=model.add_bos())
 
+    def answer_room(self, params: GenerationParams) -> int:
+        """The tokens the answer may take: the request's max_tokens, refused (naming the field and the numbers) when it
+        does not fit beside the prompt; when unset, OpenAI's "as long as the context allows", bounded by the server's
+        --max-tokens."""
+        from specquant_cli.decoding.forms import FormError
+
+        n_prompt, n_ctx = len(self.prompt_tokens(params)), self.runtime.pool.n_ctx
+        if n_prompt >= n_ctx:
+            raise FormError(f"the prompt is {n_prompt} tokens and the context holds {n_ctx} (--ctx), with room left "
+                            "for no answer; shorten it", params.prompt_param)
+        if params.max_tokens is None:
+            return min(self.max_tokens, n_ctx - n_prompt)
+        if n_prompt + params.max_tokens > n_ctx:
+            raise FormError(f"{params.max_tokens_param} {params.max_tokens} does not fit beside the prompt: the prompt "
+                            f"is {n_prompt} tokens and the context holds {n_ctx} (--ctx), so at most "
+                            f"{n_ctx - n_prompt} tokens can be asked", params.max_tokens_param)
+        return params.max_tokens
+
+    def prediction_tokens(self, text: Optional[str]) -> Optional[list[int]]:
+        """A request's prediction (its text) as the token ids it drafts from, None without one (or an empty one); a 400
+        naming it when it is longer than the context, before the request is queued (and a stream begins)."""
+        if not text:
+            return None
+        try:
+            return self.session.prediction_tokens(text)
+        except InputError as e:
+            raise ApiError(400, str(e), param="prediction.content", code="context_length_exceeded") from None
+
     def policy_for(self, requested: Optional[str], param: str) -> str:
         if requested is None:
             return self.default_policy
@@ -161,14 +193,12 @@ class Service:
         session = self.sessions[slot]
         if self.prefixes is not None and self.prefixes.enter(slot, params.scope):
             session.runtime.pool.reset_caches()  # the drafts' sequences too: nothing of another scope stays
-        limit = params.max_tokens
-        if limit is None:  # OpenAI's "as long as the context allows", bounded by the server's default
-            n_prompt = len(self.prompt_tokens(params))
-            limit = max(1, min(self.max_tokens, self.runtime.pool.n_ctx - n_prompt))
+        limit = self.answer_room(params)
         answer, records = session.ask_messages(params.messages or [], policy=params.policy,
                                                sampling=params.sampling, max_tokens=limit, stop=params.stop,
                                                raw_prompt=params.prompt, scope=params.scope, grammar=params.grammar,
-                                               tools=params.tools, top_logprobs=params.top_logprobs)
+                                               tools=params.tools, top_logprobs=params.top_logprobs,
+                                               prediction=params.prediction)
         return answer, records if self.slots is None else self.slots.member(records)
 
 

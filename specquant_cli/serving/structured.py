@@ -1,15 +1,17 @@
 """Structured output on the server: a chat request's `response_format`, `tools` and `tool_choice` (read by
 decoding.forms into the grammar the engine runs), its history's tool calls and tool results, and `logprobs`; and the
-answer written back in OpenAI's shape (`tool_calls`, `finish_reason: tool_calls`, `logprobs.content`).
+answer written back in OpenAI's shape (`tool_calls`, `finish_reason: tool_calls`, `logprobs.content`), by the one
+rule of what a complete answer is (`outcome`: a cut answer is never "stop" with unfinished JSON, and never calls).
 
 Every refusal is a decoding.forms.FormError naming the field (serving.schemas answers it 400): a schema
-llguidance cannot compile, an unknown `tool_choice` function, a tool whose parameters are not a schema, a schema over
-decoding.grammar.MAX_SCHEMA_BYTES."""
+llguidance cannot compile, an unknown `tool_choice` function, a tool whose parameters are not an object schema, a
+schema over decoding.grammar.MAX_SCHEMA_BYTES, a history whose calls and results do not link up (`check_links`)."""
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,15 +53,20 @@ def structure(req, model) -> Structure:
 
 def history(i: int, m, role: str, content: Optional[str]) -> dict:
     """Message `i` as the template reads it: an assistant's `tool_calls` (arguments as objects; its content may be
-    null or empty) or a tool's result (its content may be empty)."""
+    null) or a tool's result, with the `tool_call_id` of the call it answers. Content may be empty in every role, as
+    OpenAI takes it (an agent resends an empty assistant turn or an empty system prompt); only a missing one is
+    refused, beside no calls."""
     extra = m.model_extra or {}
     if role == "tool":
-        return {"role": "tool", "content": content or "", "tool_call_id": str(extra.get("tool_call_id") or "")}
+        call = extra.get("tool_call_id")
+        if not isinstance(call, str) or not call:
+            raise _error("a tool message needs the tool_call_id (a string) of the call it answers",
+                         f"messages[{i}].tool_call_id")
+        return {"role": "tool", "content": content or "", "tool_call_id": call}
     calls = extra.get("tool_calls")
     if role != "assistant" or not calls:
-        if not content:
-            raise _error("the message has no content" if content is None else "the text is empty",
-                         f"messages[{i}].content")
+        if content is None:
+            raise _error("the message has no content", f"messages[{i}].content")
         return {"role": role, "content": content}
     if not isinstance(calls, list):
         raise _error("tool_calls must be a list", f"messages[{i}].tool_calls")
@@ -69,6 +76,12 @@ def history(i: int, m, role: str, content: Optional[str]) -> dict:
 
 def _past_call(c, param: str) -> dict:
     """One call of an assistant message in the history, its arguments parsed (the template writes them as JSON)."""
+    if isinstance(c, dict) and c.get("type", "function") != "function":
+        raise _error(f"a call of type {json.dumps(c.get('type'))[:40]} cannot be sent back: function calls only",
+                     f"{param}.type")
+    if isinstance(c, dict) and (not isinstance(c.get("id"), str) or not c["id"]):
+        raise _error("a tool call needs its id (a string), which the tool message answering it names",
+                     f"{param}.id")
     fn = c.get("function") if isinstance(c, dict) else None
     name, args = (fn.get("name"), fn.get("arguments")) if isinstance(fn, dict) else (None, None)
     if not isinstance(name, str) or not forms.NAME.fullmatch(name) or not isinstance(args, str):
@@ -80,7 +93,46 @@ def _past_call(c, param: str) -> dict:
         raise _error("function.arguments nests too deep", f"{param}.function.arguments") from None
     except ValueError:
         raise _error("function.arguments is not JSON", f"{param}.function.arguments") from None
-    return {"id": str(c.get("id") or ""), "type": "function", "function": {"name": name, "arguments": parsed}}
+    return {"id": c["id"], "type": "function", "function": {"name": name, "arguments": parsed}}
+
+
+def check_links(messages: list[dict]) -> None:
+    """The conversation's calls and results, as a whole, as OpenAI checks them: the calls of an assistant message are
+    each answered by one tool message naming its id, right after it (before any other message, and before the
+    conversation ends); a tool message answers a call of the assistant message before it."""
+    calls: dict[str, tuple[int, int]] = {}  # id -> (message, call) of the open calls
+    answered: dict[str, int] = {}  # id -> the tool message that answered it
+    caller: Optional[int] = None  # the assistant message whose calls the tool messages now answer
+
+    def unanswered(before: str) -> forms.FormError:
+        cid, (i, j) = next((cid, at) for cid, at in calls.items() if cid not in answered)
+        return _error(f"the call {cid!r} of messages[{i}] has no tool message answering it {before}",
+                      f"messages[{i}].tool_calls[{j}]")
+
+    for k, m in enumerate(messages):
+        if m["role"] == "tool":
+            cid = m["tool_call_id"]
+            if caller is None:
+                raise _error("a tool message must follow an assistant message with tool_calls (or another tool "
+                             "message)", f"messages[{k}].role")
+            if cid in answered:
+                raise _error(f"tool_call_id {cid!r} was answered already, by messages[{answered[cid]}]",
+                             f"messages[{k}].tool_call_id")
+            if cid not in calls:
+                raise _error(f"tool_call_id {cid!r} answers no call of messages[{caller}] (its calls: "
+                             f"{', '.join(map(repr, calls))[:200]})", f"messages[{k}].tool_call_id")
+            answered[cid] = k
+            continue
+        if len(answered) < len(calls):
+            raise unanswered(f"before messages[{k}]")
+        calls, answered, caller = {}, {}, None
+        for j, c in enumerate(m.get("tool_calls") or ()):
+            if c["id"] in calls:
+                raise _error(f"two calls of messages[{k}] have the id {c['id']!r}", f"messages[{k}].tool_calls[{j}].id")
+            calls[c["id"]] = (k, j)
+            caller = k
+    if len(answered) < len(calls):
+        raise unanswered("(the conversation ends first)")
 
 
 def check_history(messages: list[dict], model) -> None:
@@ -103,20 +155,56 @@ def tool_call(index: Optional[int], call: dict) -> dict:
     return d if index is None else {"index": index, **d}
 
 
-def message(text: str, finish: str, calls: bool) -> tuple[dict, str]:
-    """(the assistant message, finish_reason) of a whole answer read for tool calls as a stream of it would be
-    (toolcalls.ToolStream): its whole calls, then what never became one as content (an answer cut short); the
-    finish reason is "tool_calls" when it made calls and finished."""
-    if not calls:
-        return {"role": "assistant", "content": text, "refusal": None}, finish
-    stream = toolcalls.ToolStream()
-    items = stream.feed(text)
-    made = [tool_call(None, x) for kind, x in items if kind == "call"]
-    rest = "".join(x for kind, x in items if kind == "text") + stream.rest()
-    msg = {"role": "assistant", "content": rest or (None if made else ""), "refusal": None}
-    if made:
-        msg["tool_calls"] = made
-    return msg, "tool_calls" if made and finish == "stop" else finish
+@dataclass
+class Outcome:
+    """What a whole answer is to the client, decided by `outcome` for every endpoint, streamed or not."""
+
+    content: Optional[str]  # None: the answer is calls alone
+    calls: list[dict]  # {"name", "arguments"} of a finished call answer
+    finish: str  # "stop", "length" (cut: max_tokens, or a stop string inside a constrained answer), "tool_calls"
+
+
+def outcome(text: str, finish: str, grammar: Optional[Grammar] = None, stopped_by: Sequence[str] = (),
+            calls: bool = False) -> Outcome:
+    """The one rule of what a complete answer is. `finish`: "stop" (the model ended it, or one of the request's stop
+    strings `stopped_by` did) or "length" (max_tokens ran out); `grammar`: what it was held to; `calls`: whether it
+    is read for tool calls.
+
+    - A constrained answer that a stop string cut before its grammar's end (JSON not closed, a call not closed) is
+      cut: "length", as one that ran out of tokens.
+    - An answer read for tool calls that opened a call (or, cut, began to): finished, its calls, content null,
+      "tool_calls"; cut, no calls at all (not those of a parallel set that were finished) and empty content,
+      "length". Its markup never reaches the content.
+    - Anything else is its text, with its finish reason; a cut JSON answer's text is the JSON so far."""
+    if finish == "stop" and stopped_by and grammar is not None and grammar.validate(text) is not None:
+        finish = "length"
+    head = text.lstrip()
+    if calls and head and (head.startswith(toolcalls.TOOL_OPEN)
+                           or (finish != "stop" and toolcalls.TOOL_OPEN.startswith(head))):
+        if finish != "stop":
+            return Outcome("", [], finish)
+        try:
+            return Outcome(None, toolcalls.parse(text), "tool_calls")
+        except ValueError:  # not calls after all (an answer no grammar held to the form): text
+            pass
+    return Outcome(text, [], finish)
+
+
+def message(text: str, finish: str, params=None) -> tuple[dict, str]:
+    """(the assistant message, finish_reason) of a whole chat answer to the request `params`
+    (schemas.GenerationParams; None: plain text), by `outcome`."""
+    o = answer_outcome(text, finish, params)
+    msg = {"role": "assistant", "content": o.content, "refusal": None}
+    if o.calls:
+        msg["tool_calls"] = [tool_call(None, c) for c in o.calls]
+    return msg, o.finish
+
+
+def answer_outcome(text: str, finish: str, params=None) -> Outcome:
+    """`outcome` of an answer to the request `params` (schemas.GenerationParams; None: plain text)."""
+    if params is None:
+        return Outcome(text, [], finish)
+    return outcome(text, finish, params.grammar, params.stop, params.tool_calls)
 
 
 def logprobs_content(model, entries) -> list[dict]:

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
+from specquant_cli.decoding.forms import FormError
 from specquant_cli.errors import Cancelled, InputError, ResourceError, SpecquantError, cancel_on
 from specquant_cli.serving.schemas import ApiError, GenerationParams
 
@@ -255,8 +256,11 @@ class EngineWorker:
                     records.close()  # a generator: closing it stops the engine now, caches consistent
         except Cancelled:
             pass  # answered below, as a cancel between records is
-        except InputError as e:  # e.g. the prompt does not fit the context with max_tokens
-            job.put("error", ApiError(400, str(e), code="invalid_request"))
+        except FormError as e:  # e.g. max_tokens does not fit beside the prompt (Service.answer_room)
+            job.put("error", ApiError(400, str(e), param=e.param, code="invalid_value"))
+            return "failed"
+        except InputError as e:  # e.g. a message the chat template cannot keep as text: the prompt's
+            job.put("error", ApiError(400, str(e), param=job.params.prompt_param, code="invalid_request"))
             return "failed"
         except ResourceError as e:
             job.put("error", ApiError(503, str(e), type="server_error", code="resources"))

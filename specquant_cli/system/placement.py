@@ -3,6 +3,7 @@ family (parent + optional draft), refusing before anything loads a set that does
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -114,9 +115,22 @@ def require_fit(facts: Facts, fam, roles: list[str], n_ctx: int, reserve: int = 
     if not fits_ram(facts, ram):
         what = f"models {', '.join(roles)}" if roles else "what is kept beside the models"
         with_ = f" with {' and '.join(parts)}" if parts and roles else f" ({' and '.join(parts)})" if parts else ""
-        raise ResourceError(f"{what}{with_} need ~{ram / 2**30:.2f} GiB of RAM, "
-                            f"{facts.ram_available / 2**30:.2f} GiB available" + (f"; {hint}" if hint else ""))
+        raise ResourceError(f"{what}{with_} need {ram_shortfall(facts, ram)}" + (f"; {hint}" if hint else ""))
     return pl
+
+
+def ram_shortfall(facts: Facts, nbytes: int) -> str:
+    """How `nbytes` exceeds what a placement may take here, in numbers that read as not fitting: the need rounded up,
+    the usable share (RAM_HEADROOM of what is available) rounded down, e.g. "~3.11 GiB of RAM, more than the 2.15
+    GiB usable here (90% of 2.39 GiB available)"."""
+    usable = facts.ram_available * RAM_HEADROOM
+    digits = 2
+    while digits < 6 and math.ceil(nbytes / 2**30 * 10**digits) <= math.floor(usable / 2**30 * 10**digits):
+        digits += 1  # never "1.08 GiB, more than the 1.08 GiB usable"
+    need_s = f"{math.ceil(nbytes / 2**30 * 10**digits) / 10**digits:.{digits}f}"
+    usable_s = f"{math.floor(usable / 2**30 * 10**digits) / 10**digits:.{digits}f}"
+    return (f"~{need_s} GiB of RAM, more than the {usable_s} GiB usable here ({RAM_HEADROOM:.0%} of "
+            f"{facts.ram_available / 2**30:.2f} GiB available)")
 
 
 def plan_residents(facts: Facts, fam, plans: Mapping[str, list[str]], n_ctx: int) -> dict:

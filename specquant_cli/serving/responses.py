@@ -1,0 +1,449 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat machinery.
+
+A request is read into the chat completion it amounts to — `instructions` as the system message, `input` (a string, or
+message, function_call and function_call_output items) as the messages, function `tools`, `tool_choice` and
+`text.format` as tools and response_format, `max_output_tokens` as max_tokens — and validated by
+serving.schemas.chat_params, so it runs with the same speculation, grammar, keys, tenants and guards, and gives the
+same text a chat completion of the same messages gives. An error of that validation names the Responses field
+(`where`). The answer is written back as a response object (`ResponseMaker.whole`) or as the documented stream of
+events (`ResponseMaker.start`, `.text`, `.finish`), both from serving.structured.outcome: a cut answer is
+`incomplete` (reason max_output_tokens) and never a function call.
+
+Stateless, as `store: false`: nothing is kept, so `previous_response_id`, `conversation` and `item_reference` items
+are refused (send the whole conversation in `input`), as are built-in tools (web_search, file_search, ...), input
+items other than text (images, files), `background`, `prompt`, `truncation: auto`, `top_logprobs` and
+`max_tool_calls`."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+from specquant_cli.decoding.forms import TOOL_CHOICES
+from specquant_cli.serving.schemas import ApiError, GenerationParams, cached_tokens, chat_params, now, specquant_info
+
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text")  # content parts read as text
+SAMPLING = ("temperature", "top_p", "top_k", "seed")  # passed on as they are (top_k and seed: not OpenAI's)
+PASSED = ("model", "stream", "parallel_tool_calls", "specquant_policy", "cache_salt", *SAMPLING)
+STATELESS = "specquant serve stores no responses (as store: false); send the whole conversation in input"
+REFUSED = {  # field -> why it cannot be honoured (refused unless null, or false / 0 where noted)
+    "previous_response_id": STATELESS,
+    "conversation": STATELESS,
+    "background": "every response is answered while the request waits",
+    "prompt": "no stored prompts",
+    "max_tool_calls": "the answer's calls are not limited in number",
+    "top_logprobs": "no log-probabilities on this endpoint (use /v1/chat/completions)",
+}
+ALLOWED_FALSY = {"background": False, "top_logprobs": 0}
+
+
+def _rid(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def _refuse(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def _unsupported(param: str, why: str) -> ApiError:
+    return _refuse(param, f"'{param}' is not supported by specquant serve: {why}", "unsupported_parameter")
+
+
+# -- the request ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Where:
+    """Which Responses field each chat field came from: `origins[i]` for message i ("instructions", "input" or an
+    input item, "input[3]"), `outputs` the messages that are function_call_output items (their content is `output`),
+    `calls[i][j]` the item of the j-th tool call of message i (a function_call)."""
+
+    origins: list[str] = field(default_factory=list)
+    outputs: set[int] = field(default_factory=set)
+    calls: dict[int, list[str]] = field(default_factory=dict)
+
+    def name(self, param: Optional[str]) -> Optional[str]:
+        """The Responses name of chat field `param` (messages[2].content -> input[1].content)."""
+        if param is None:
+            return None
+        m = re.match(r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\])?(.*)$", param)
+        if m is None:
+            tool = re.match(r"(tools\[\d+\])\.function(.*)$", param)  # a Responses tool has no `function` level
+            if tool is not None:
+                return tool.group(1) + tool.group(2)
+            return _TOP.get(param) or next((new + param[len(old):] for old, new in _PREFIXES
+                                            if param.startswith(old)), param)
+        i, j, rest = int(m.group(1)), m.group(2), m.group(3)
+        if i >= len(self.origins):
+            return "input"
+        origin = self.origins[i]
+        if j is not None:
+            calls = self.calls.get(i, [])
+            origin = calls[int(j)] if int(j) < len(calls) else origin
+            return origin + _CALL_FIELDS.get(rest, "")
+        if origin in ("instructions", "input"):
+            return origin
+        if rest.startswith(".content"):
+            return origin + (".output" + rest[len(".content"):] if i in self.outputs else rest)
+        return origin + {".tool_call_id": ".call_id"}.get(rest, "")
+
+    def text(self, message: str) -> str:
+        """A chat validation message in Responses words: each field it names, and the history's terms."""
+        message = _FIELD.sub(lambda m: self.name(m.group(0)) or m.group(0), message)
+        for chat, responses in _WORDS:
+            message = message.replace(chat, responses)
+        return message
+
+
+_FIELD = re.compile(r"messages\[\d+\](?:\.tool_calls\[\d+\])?(?:\.[a-z_]+)*|max_completion_tokens|max_tokens|"
+                    r"response_format(?:\.[a-z_]+)*|tools\[\d+\]\.function(?:\.[a-z_]+)*")
+_WORDS = (("an assistant message with tool_calls", "function_call items"),
+          ("tool message", "function_call_output item"), ("tool_call_id", "call_id"),
+          ("the response_format schema", "the text.format schema"), ("function.name", "name"),
+          ("function.arguments", "arguments"))
+
+
+_TOP = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+        "response_format": "text.format", "response_format.type": "text.format.type",
+        "response_format.json_schema": "text.format"}
+_PREFIXES = (("response_format.json_schema.", "text.format."),)
+_CALL_FIELDS = {".function.arguments": ".arguments", ".function.name": ".name", ".id": ".call_id", ".type": ".type"}
+
+
+@dataclass
+class ResponsesRequest:
+    """A validated request: its params (as the worker runs them) and what the response object repeats of it."""
+
+    params: GenerationParams
+    echo: dict
+
+
+def responses_params(body: Any, resolve_policy: Callable[[Optional[str]], str], model) -> ResponsesRequest:
+    """Validate a /v1/responses body (see the module's docstring); `model`: the vocabulary a grammar compiles for."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name, why in REFUSED.items():
+        if body.get(name) is not None and body.get(name) != ALLOWED_FALSY.get(name, None):
+            raise _unsupported(name, why)
+    if body.get("truncation") not in (None, "disabled"):
+        raise _unsupported("truncation", "only 'disabled': an input longer than the context is refused (400), "
+                                         "never cut")
+    _check_include(body.get("include"))
+    chat, where = _chat_body(body)
+    try:
+        params = chat_params(chat, resolve_policy, model)
+    except ApiError as e:
+        raise ApiError(e.status, where.text(e.message), e.type, where.name(e.param), e.code, e.headers) from None
+    params = replace(params, max_tokens_param="max_output_tokens", prompt_param="input")
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    echo = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": body.get("metadata") or {}, "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+            "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
+            "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
+            "tool_choice": body.get("tool_choice") or TOOL_CHOICES[1], "tools": body.get("tools") or [],
+            "text": {"format": fmt or {"type": "text"}}, "user": body.get("user")}
+    return ResponsesRequest(params, echo)
+
+
+def _check_include(include: Any) -> None:
+    if include is None:
+        return
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise _refuse("include", "include must be a list of strings")
+    if "message.output_text.logprobs" in include:
+        raise _unsupported("include", "no log-probabilities on this endpoint (use /v1/chat/completions)")
+    # the others name parts of items this server never makes (reasoning, search results, images): nothing to add
+
+
+def _chat_body(body: dict) -> tuple[dict, Where]:
+    """The chat completion body a Responses body amounts to, and where each of its messages came from."""
+    chat: dict = {k: body[k] for k in PASSED if k in body}
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    where = Where()
+    messages: list[dict] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _refuse("instructions", "instructions must be a string")
+        messages.append({"role": "system", "content": instructions})
+        where.origins.append("instructions")
+    _input_messages(body.get("input"), messages, where)
+    chat["messages"] = messages
+    if body.get("tools") not in (None, []):  # no tools may be an empty list here (not in a chat completion)
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None and (chat.get("tools") or body["tool_choice"] not in TOOL_CHOICES[:2]):
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    fmt = _text_format(body.get("text"))
+    if fmt is not None:
+        chat["response_format"] = fmt
+    return chat, where
+
+
+def _input_messages(items: Any, messages: list[dict], where: Where) -> None:
+    """`input` as chat messages: a string is one user message; function_call items join the assistant message they
+    follow (or make one), each function_call_output is a tool message."""
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+        where.origins.append("input")
+        return
+    if not isinstance(items, list) or not items:
+        raise _refuse("input", "input must be a string or a non-empty list of items")
+    for k, item in enumerate(items):
+        at = f"input[{k}]"
+        if not isinstance(item, dict):
+            raise _refuse(at, "an input item must be an object")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                raise _refuse(f"{at}.role", f"unknown role {json.dumps(role)[:40]}: one of {', '.join(MESSAGE_ROLES)}")
+            messages.append({"role": role, "content": _content(item.get("content"), at)})
+            where.origins.append(at)
+        elif kind == "function_call":  # joins the assistant message it follows (its text, or calls before it)
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                where.origins.append(at)
+            where.calls.setdefault(len(messages) - 1, []).append(at)
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": _output(item.get("output"), at)})
+            where.origins.append(at)
+            where.outputs.add(len(messages) - 1)
+        elif kind == "item_reference":
+            raise _unsupported(f"{at}.type", f"items of type 'item_reference': {STATELESS}")
+        else:
+            raise _refuse(f"{at}.type", f"input items of type {json.dumps(kind)[:60]} are not supported: message, "
+                                        "function_call and function_call_output")
+
+
+def _content(content: Any, at: str) -> Any:
+    """A message item's content as chat content (a string, or text parts)."""
+    if isinstance(content, str) or content is None:
+        return content
+    if not isinstance(content, list):
+        raise _refuse(f"{at}.content", "content must be a string or a list of content parts")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise _unsupported(f"{at}.content[{j}]", f"content parts of type {json.dumps(kind)[:40]} (text only: "
+                                                     f"{', '.join(TEXT_PARTS)})")
+        parts.append({"type": "text", "text": part.get("text")})
+    return parts or ""
+
+
+def _output(output: Any, at: str) -> Any:
+    """A function_call_output's output as a tool message's content."""
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list):
+        return _content(output, at)
+    raise _refuse(f"{at}.output", "output must be a string or a list of text parts")
+
+
+def _tools(tools: Any) -> Any:
+    """Responses function tools ({"type": "function", "name", "parameters", ...}) as chat tools; a built-in tool is
+    refused by name."""
+    if not isinstance(tools, list):
+        return tools  # chat_params says what is wrong with it
+    out = []
+    for i, t in enumerate(tools):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind != "function":
+            raise _unsupported(f"tools[{i}].type", f"tools of type {json.dumps(kind)[:40]} (built-in tools run on "
+                                                   "OpenAI's side; this server calls function tools only)")
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict):
+        if choice.get("type") == "function" and "function" not in choice:
+            return {"type": "function", "function": {"name": choice.get("name")}}
+        if choice.get("type") != "function":
+            raise _unsupported("tool_choice", f"a tool_choice of type {json.dumps(choice.get('type'))[:40]} (none, "
+                                              "auto, required or {\"type\": \"function\", \"name\": ...})")
+    return choice
+
+
+def _text_format(text: Any) -> Optional[dict]:
+    """`text.format` as a chat response_format (None: plain text)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise _refuse("text", "text must be an object, e.g. {\"format\": {\"type\": \"json_schema\", ...}}")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _refuse("text.format", "text.format must be an object")
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        if "schema" not in spec:
+            raise _refuse("text.format.schema", "a json_schema format needs its schema")
+        return {"type": "json_schema", "json_schema": spec}
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    raise _refuse("text.format.type", f"unknown text.format type {json.dumps(kind)[:40]}: text, json_object or "
+                                      "json_schema")
+
+
+# -- the response -----------------------------------------------------------------------------------------------
+
+def usage(last) -> dict:
+    return {"input_tokens": last.prompt_tokens, "output_tokens": last.new_tokens,
+            "total_tokens": last.prompt_tokens + last.new_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens(last), "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def _has_message(o) -> bool:
+    """Whether an answer's outcome (serving.structured.Outcome) has a message item: text, even empty when it ended
+    on its own; not a cut answer with nothing to show."""
+    return o.content is not None and (o.content != "" or o.finish == "stop")
+
+
+class ResponseMaker:
+    """One answer as a response object (`whole`) or as its stream of events (`start`, `text`, `finish`), to the
+    request `req` for the model named `model`."""
+
+    def __init__(self, req: ResponsesRequest, model: str):
+        from specquant_cli.toolcalls import ToolStream
+
+        self.req = req
+        self.params = req.params
+        self.id = _rid("resp")
+        self.created = now()
+        self.model = model
+        self.msg_id = _rid("msg")
+        self.seq = 0
+        self.tools = ToolStream() if self.params.tool_calls else None
+        self._text: list[str] = []  # the answer so far
+        self._shown: list[str] = []  # the text sent as deltas
+        self._open = False  # the message item was announced
+
+    def response(self, status: str, output: list, last=None, answer=None) -> dict:
+        d = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "background": False,
+             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+             "model": self.model, "output": output, "previous_response_id": None,
+             "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": False,
+             "truncation": "disabled", "usage": usage(last) if last is not None else None, **self.req.echo}
+        if status in ("completed", "incomplete"):
+            d["completed_at"] = now()
+        if answer is not None and last is not None:
+            d["specquant"] = specquant_info(answer, last)
+        return d
+
+    def _outcome(self, text: str, last):
+        from specquant_cli.serving.schemas import finish_reason
+        from specquant_cli.serving.structured import answer_outcome
+
+        return answer_outcome(text, finish_reason(last), self.params)
+
+    def _message(self, text: str, status: str) -> dict:
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
+                "content": [] if status == "in_progress" and not text else [self._part(text)]}
+
+    @staticmethod
+    def _part(text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    @staticmethod
+    def _call(c: dict, status: str = "completed", arguments: Optional[str] = None) -> dict:
+        args = json.dumps(c["arguments"], ensure_ascii=False) if arguments is None else arguments
+        return {"type": "function_call", "id": _rid("fc"), "call_id": _rid("call"), "name": c["name"],
+                "arguments": args, "status": status}
+
+    def _output(self, o) -> list[dict]:
+        status = "completed" if o.finish == "stop" else "incomplete"
+        out = [self._message(o.content, status)] if _has_message(o) else []
+        return out + [self._call(c) for c in o.calls]
+
+    @staticmethod
+    def _status(o) -> str:
+        return "incomplete" if o.finish == "length" else "completed"
+
+    def whole(self, text: str, answer, last) -> dict:
+        """The response object of a whole answer."""
+        o = self._outcome(text, last)
+        return self.response(self._status(o), self._output(o), last, answer)
+
+    # -- streamed -----------------------------------------------------------------------------------------------
+    def _event(self, kind: str, **fields) -> dict:
+        d = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return d
+
+    def start(self) -> list[dict]:
+        """The events that open the stream."""
+        opening = self.response("in_progress", [])
+        return [self._event("response.created", response=opening),
+                self._event("response.in_progress", response=opening)]
+
+    def _open_message(self) -> list[dict]:
+        self._open = True
+        return [self._event("response.output_item.added", output_index=0, item=self._message("", "in_progress")),
+                self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
+                            part=self._part(""))]
+
+    def _delta(self, text: str) -> list[dict]:
+        out = [] if self._open else self._open_message()
+        self._shown.append(text)
+        return out + [self._event("response.output_text.delta", item_id=self.msg_id, output_index=0,
+                                  content_index=0, delta=text, logprobs=[])]
+
+    def text(self, rec) -> list[dict]:
+        """The events of one record's text (none while it may still open a call, or is a call)."""
+        self._text.append(rec.text)
+        text = rec.text
+        if self.tools is not None:
+            text = "".join(x for kind, x in self.tools.feed(rec.text) if kind == "text")
+        return self._delta(text) if text else []
+
+    def finish(self, answer, last) -> list[dict]:
+        """The events that end the stream: the message's close, the calls, then response.completed (or
+        .incomplete), whose response is the one `whole` gives."""
+        o = self._outcome("".join(self._text), last)
+        out: list[dict] = []
+        if _has_message(o):
+            rest = o.content[len("".join(self._shown)):]
+            if rest or not self._open:
+                out += self._delta(rest) if rest else self._open_message()
+            status = "completed" if o.finish == "stop" else "incomplete"
+            out += [self._event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
+                                text=o.content, logprobs=[]),
+                    self._event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
+                                part=self._part(o.content)),
+                    self._event("response.output_item.done", output_index=0, item=self._message(o.content, status))]
+        items = [self._message(o.content, "completed" if o.finish == "stop" else "incomplete")] \
+            if _has_message(o) else []
+        for c in o.calls:
+            index, item = len(items), self._call(c)
+            out += [self._event("response.output_item.added", output_index=index,
+                                item={**item, "arguments": "", "status": "in_progress"}),
+                    self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                delta=item["arguments"]),
+                    self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                name=item["name"], arguments=item["arguments"]),
+                    self._event("response.output_item.done", output_index=index, item=item)]
+            items.append(item)
+        status = self._status(o)
+        out.append(self._event(f"response.{status}", response=self.response(status, items, last, answer)))
+        return out
+
+    def error(self, e: ApiError) -> list[dict]:
+        """The events that end a stream an error broke (e.g. the server stopping): `error`, then response.failed."""
+        return [self._event("error", code=e.code, message=e.message, param=e.param),
+                self._event("response.failed", response={**self.response("failed", []),
+                                                         "error": {"code": "server_error", "message": e.message}})]
