@@ -14,9 +14,10 @@ LogitsMode = Literal["last", "all", "none"]  # which rows of a decoded batch kee
 FinishReason = Literal["stop", "length", "interrupted"]
 
 # Where a generated token came from: a model draft the parent accepted, a draft-free (suffix / n-gram) draft it
-# accepted, a token a grammar forced (proposed at no draft cost) that the parent accepted, or the parent's own token
-# (a correction or the bonus token, or every token without a drafter).
-Source = Literal["draft", "suffix", "grammar", "parent"]
+# accepted, a token a grammar forced (proposed at no draft cost) that the parent accepted, a token of the request's
+# prediction (Predicted Outputs) that the parent accepted, or the parent's own token (a correction or the bonus token,
+# or every token without a drafter).
+Source = Literal["draft", "suffix", "grammar", "prediction", "parent"]
 SOURCES: tuple[str, ...] = get_args(Source)
 
 # A family folder's own files, besides its models: the manifest, the one a commit replaced, the commit journal,

@@ -65,7 +65,8 @@ def names(samples: dict) -> set[str]:
 
 def rec(text: str, *, prompt=10, prefill=9, new=1, drafted=0, accepted=0, finish=None):
     return SimpleNamespace(text=text, prompt_tokens=prompt, prefill_tokens=prefill, new_tokens=new,
-                           drafted=drafted, accepted=accepted, finish_reason=finish)
+                           drafted=drafted, accepted=accepted, finish_reason=finish, prediction_accepted=0,
+                           prediction_rejected=0)
 
 
 def answer(policy: str):

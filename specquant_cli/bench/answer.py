@@ -38,6 +38,7 @@ class RequestResult:
     conversation: int
     turn: int
     messages: list[dict]
+    prediction: Optional[str] = None  # the text sent as the request's `prediction` (Predicted Outputs)
     ok: bool = False
     error: Optional[str] = None
     text: str = ""
@@ -56,6 +57,10 @@ class RequestResult:
     drafted: Optional[int] = None
     accepted: Optional[int] = None
     parent_calls: Optional[int] = None
+    # the usage's completion_tokens_details of a request sent with a prediction: its tokens the server kept and those
+    # it did not (None: not said)
+    prediction_accepted: Optional[int] = None
+    prediction_rejected: Optional[int] = None
 
     @property
     def mean_itl_s(self) -> Optional[float]:
@@ -85,10 +90,12 @@ class Target:
     def headers(self) -> dict:
         return {**IDENTITY, **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
 
-    def body(self, messages: list[dict]) -> dict:
-        """A standard streamed greedy chat completion; non-standard fields only as --extra-body asks."""
+    def body(self, messages: list[dict], prediction: Optional[str] = None) -> dict:
+        """A standard streamed greedy chat completion, with OpenAI's `prediction` when one is given; non-standard
+        fields only as --extra-body asks."""
+        predicted = {"prediction": {"type": "content", "content": prediction}} if prediction else {}
         return {"model": self.model, "messages": messages, "max_tokens": self.max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}, **self.extra_body}
+                "stream": True, "stream_options": {"include_usage": True}, **predicted, **self.extra_body}
 
     def stream_cap(self) -> int:
         """The most bytes one answer's event stream may take: a floor, or a generous allowance per token."""
@@ -114,6 +121,11 @@ def normal_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
         raise InputError(f"--url {url!r}: expected the server's base URL, e.g. http://127.0.0.1:8080")
     return text
+
+
+def _count(v) -> Optional[int]:
+    """A count a server reports (a JSON integer, not a boolean, within 0 .. 2**31), else None."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 31 else None
 
 
 # -- one answer, streamed ------------------------------------------------------------------------------------------
@@ -171,6 +183,10 @@ class _Answer:
                 raise Refused(f"the server counted {self.usage_tokens} completion tokens for max_tokens "
                                f"{max_tokens}")
             r.prompt_tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
+            details = usage.get("completion_tokens_details")
+            if r.prediction and isinstance(details, dict):
+                r.prediction_accepted = _count(details.get("accepted_prediction_tokens"))
+                r.prediction_rejected = _count(details.get("rejected_prediction_tokens"))
         self._notes(chunk.get("specquant"))
         choices = chunk.get("choices")
         for choice in choices if isinstance(choices, list) else []:
@@ -192,8 +208,8 @@ class _Answer:
         if r.plan is None and isinstance(info.get("plan"), str):
             r.plan = brief(info["plan"], 120)
         for k in ("drafted", "accepted", "parent_calls"):
-            v = info.get(k)
-            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 31:
+            v = _count(info.get(k))
+            if v is not None:
                 setattr(r, k, v)
 
     def _piece(self, content: str) -> None:
@@ -217,8 +233,8 @@ class _Answer:
 async def _exchange(client, target: Target, answer: _Answer, scope: asyncio.Timeout) -> None:
     """POST the request and read its event stream line by line into `answer`, until [DONE], the end of the
     stream, or a short grace after the finish (`scope`, the request's deadline, is brought forward to it)."""
-    async with client.stream("POST", target.url + "/v1/chat/completions", json=target.body(answer.result.messages),
-                             headers=target.headers()) as resp:
+    body = target.body(answer.result.messages, answer.result.prediction)
+    async with client.stream("POST", target.url + "/v1/chat/completions", json=body, headers=target.headers()) as resp:
         if resp.status_code != 200:
             try:
                 body, cut = await read_body(resp)

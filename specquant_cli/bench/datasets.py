@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import InputError
+from specquant_cli.fsutil import read_input_file
 from specquant_cli.inputs import decode_input
 
 ANSWER_HINT = "\nEnd your answer with '#### ' followed by the final number."
@@ -25,6 +26,7 @@ class Item:
     reference: Optional[str] = None  # final answer (after '#### '), when the item has one
     # structured output, as OpenAI's request spells it: {"response_format": ...} or {"tools": [...], "tool_choice": ..}
     form: Optional[dict] = None
+    prediction: Optional[str] = None  # the text the answer is expected to resemble (OpenAI's `prediction` content)
 
 
 def final_answer(reference: str) -> Optional[str]:
@@ -69,10 +71,27 @@ def _question_problem(d) -> Optional[str]:
         return "'response_format' must be an object (OpenAI's response_format)"
     if "tools" in d and not isinstance(d["tools"], list):
         return "'tools' must be a list (OpenAI's function tools)"
+    if "prediction" in d and d["prediction"] is not None and not isinstance(d["prediction"], str):
+        return "'prediction' must be a string (the text the answer is expected to resemble)"
     qid = d.get("question_id")
     if qid is not None and (isinstance(qid, bool) or not isinstance(qid, (str, int))):
         return "'question_id' must be a string or an integer"
     return None
+
+
+MAX_DEPTH = 64  # arrays and objects nested deeper in one line are refused (serving.app.MAX_JSON_DEPTH's bound)
+
+
+def _depth(data) -> int:
+    """How deep arrays and objects nest in a parsed JSON value, counted without recursion (stops past MAX_DEPTH)."""
+    deepest, stack = 0, [(data, 1)]
+    while stack and deepest <= MAX_DEPTH:
+        value, level = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            stack.extend((c, level + 1) for c in children)
+    return deepest
 
 
 def _items(lines: Iterable[str], source: str) -> list[Item]:
@@ -80,12 +99,18 @@ def _items(lines: Iterable[str], source: str) -> list[Item]:
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        too_deep = InputError(f"{source}:{n}: nested deeper than {MAX_DEPTH} levels (arrays or objects inside one "
+                              "another); a Spec-Bench question is one object per line with 'turns': [prompt, ...]")
         try:
             d = json.loads(line)
+            if _depth(d) > MAX_DEPTH:  # as a request's body is bounded (serving.app): its schemas are compiled alike
+                raise too_deep
+            why = _question_problem(d)
+        except RecursionError:
+            raise too_deep from None
         except ValueError as e:
             raise InputError(f"{source}:{n}: not JSON ({e.args[0].split(':')[0]}); a Spec-Bench question "
                              "is one object per line with 'turns': [prompt, ...]") from None
-        why = _question_problem(d)
         if why:
             raise InputError(f"{source}:{n}: not a Spec-Bench question: {why}")
         prompt = d["turns"][0]
@@ -95,7 +120,27 @@ def _items(lines: Iterable[str], source: str) -> list[Item]:
             prompt += ANSWER_HINT
         form = {k: d[k] for k in ("response_format", "tools", "tool_choice", "parallel_tool_calls") if k in d}
         out.append(Item(f"{Path(source).stem}:{d.get('question_id', n)}", d.get("category", "uncategorized"),
-                        prompt, answer, form or None))
+                        prompt, answer, form or None, d.get("prediction") or None))
+    return out
+
+
+PREDICTION_MODES = ("on", "off", "wrong")
+
+
+def with_predictions(items: Sequence[Item], mode: str) -> list[Item]:
+    """The items with their predictions as `mode` says: "on", their own; "off", none; "wrong", each one's replaced by
+    the next item's that has another one (none where no other item has one): a deliberately wrong prediction."""
+    if mode not in PREDICTION_MODES:
+        raise InputError(f"--prediction {mode!r}: expected one of {', '.join(PREDICTION_MODES)}")
+    if mode == "on":
+        return list(items)
+    if mode == "off":
+        return [replace(it, prediction=None) for it in items]
+    items = list(items)
+    out = []
+    for i, it in enumerate(items):
+        others = (q.prediction for q in items[i + 1:] + items[:i] if q.prediction and q.prediction != it.prediction)
+        out.append(replace(it, prediction=next(others, None)))
     return out
 
 
@@ -109,23 +154,23 @@ def check_lengths(items: Sequence[Item], check: Callable[[str], object]) -> None
 
 
 def builtin(name: str = "prompts") -> list[Item]:
-    """A built-in set: "prompts" (chat, code, maths, ...) or "structured" (JSON extraction and tool calls)."""
+    """A built-in set: "prompts" (chat, code, maths, ...), "structured" (JSON extraction and tool calls) or "edits"
+    (small changes to excerpts of the Python standard library's source, CPython 3.11, PSF License: each answer is the
+    whole excerpt changed, and the excerpt is its prediction)."""
     text = resources.files("specquant_cli.bench").joinpath(f"{name}.jsonl").read_text(encoding="utf-8")
     return _items(text.splitlines(), "builtin" if name == "prompts" else name)
 
 
 def load(files: Sequence[Path], categories: Optional[Sequence[str]] = None, limit: Optional[int] = None,
-         structured: bool = False) -> list[Item]:
-    """Items from files (or the built-in set), filtered by category, at most `limit` per category; `structured`:
-    the built-in structured-output set too (instead of the built-in prompts when no file is given)."""
-    items: list[Item] = builtin("structured") if structured else []
-    if not files and not structured:
+         structured: bool = False, edits: bool = False) -> list[Item]:
+    """Items from files (or the built-in set), filtered by category, at most `limit` per category; `structured`,
+    `edits`: the built-in structured-output set, the built-in code-edit set too (instead of the built-in prompts when
+    no file is given)."""
+    items: list[Item] = [*(builtin("structured") if structured else []), *(builtin("edits") if edits else [])]
+    if not files and not structured and not edits:
         items = builtin()
     for f in files:
-        try:
-            raw = Path(f).read_bytes()
-        except OSError as e:
-            raise InputError(f"{f}: cannot read dataset ({e.strerror})") from None
+        raw = read_input_file(f, "--dataset", "dataset file")  # a FIFO or a device: refused, never read
         text = decode_input(raw, f"dataset {f}")
         items += _items(text.split("\n"), str(f))  # \n only, like every JSON-lines reader
     if categories:

@@ -53,6 +53,7 @@ from specquant_cli.bench.bounded import (
     read_body,
     size_text,
 )
+from specquant_cli.bench.stamp import markdown_lines
 from specquant_cli.errors import InputError, SpecquantError
 
 SCENARIOS = ("single", "multi-turn", "shared-system")
@@ -107,12 +108,14 @@ class Conversation:
     index: int
     questions: tuple[str, ...]
     system: Optional[str] = None
+    predictions: tuple[Optional[str], ...] = ()  # each question's `prediction` (Predicted Outputs), when it has one
 
 
 def conversations(scenario: str, questions: Sequence[str], count: int, turns: int,
-                  system: Optional[str] = None) -> list[Conversation]:
+                  system: Optional[str] = None, predictions: Sequence[Optional[str]] = ()) -> list[Conversation]:
     """`count` conversations of `turns` user turns each (`single`: one turn), taking the questions in order and
-    starting over when they run out; `shared-system`: every conversation begins with `system`."""
+    starting over when they run out; `shared-system`: every conversation begins with `system`. `predictions`: each
+    question's prediction (None for one without), sent with it."""
     if scenario not in SCENARIOS:
         raise InputError(f"--scenario {scenario!r}: expected one of {', '.join(SCENARIOS)}")
     if not questions:
@@ -124,8 +127,10 @@ def conversations(scenario: str, questions: Sequence[str], count: int, turns: in
         raise InputError("the shared-system scenario needs a system prompt")
     out = []
     for c in range(count):
-        qs = tuple(questions[(c * turns + k) % len(questions)] for k in range(turns))
-        out.append(Conversation(c, qs, system if scenario == "shared-system" else None))
+        picks = [(c * turns + k) % len(questions) for k in range(turns)]
+        qs = tuple(questions[i] for i in picks)
+        ps = tuple(predictions[i] for i in picks) if predictions else ()
+        out.append(Conversation(c, qs, system if scenario == "shared-system" else None, ps))
     return out
 
 
@@ -235,7 +240,8 @@ async def _run(target: Target, convs: Sequence[Conversation], starts: Sequence[f
                     if too_late(clock()):
                         return  # no request starts after the run's deadline
                     messages = [*history, {"role": "user", "content": question}]
-                    r = RequestResult(conv.index, k, messages, start_s=clock() - t0)
+                    r = RequestResult(conv.index, k, messages, conv.predictions[k] if conv.predictions else None,
+                                      start_s=clock() - t0)
                     await stream_chat(client, target, r, clock, run_end)
                     results.append(r)
                     if on_result:
@@ -331,7 +337,18 @@ def summarize(results: Sequence[RequestResult], wall_s: float, ttft_target: floa
         "itl_s": percentiles([x for r in ok for x in r.itl_s]),
         "e2e_s": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
         "output_tokens_per_request": percentiles([float(r.output_tokens) for r in ok]),
+        # Predicted Outputs: the requests sent with a prediction, and the tokens of theirs the server said it kept
+        # and did not keep (None: it said nothing of them)
+        "predicted": sum(r.prediction is not None for r in ok),
+        "prediction_accepted": _total(r.prediction_accepted for r in ok if r.prediction is not None),
+        "prediction_rejected": _total(r.prediction_rejected for r in ok if r.prediction is not None),
     }
+
+
+def _total(counts) -> Optional[int]:
+    """The sum of the counts a server reported; None when it reported none."""
+    said = [c for c in counts if c is not None]
+    return sum(said) if said else None
 
 
 # -- the report ----------------------------------------------------------------------------------------------------
@@ -345,7 +362,7 @@ def markdown(report: dict) -> str:
     g, n = s["goodput"], s["requests"]
     share = "–" if g["share"] is None else f"{g['share']:.0%}"
     lines = [f"# specquant bench load: {report['server']['model']} at {report['server']['url']}", "",
-             f"- command: `{report['command']}`",
+             f"- command: `{report['command']}`", *markdown_lines(report.get("stamp")),
              f"- scenario {c['scenario']}: {c['conversations']} conversations × {c['turns']} turns, "
              f"{c['max_tokens']} max tokens, " + (f"Poisson arrivals at {c['rate']}/s (seed {c['seed']})"
                                                   if c["rate"] else f"{c['concurrency']} in flight")

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
-from specquant_cli.bench import fidelity
+from specquant_cli.bench import fidelity, report
 from specquant_cli.bench.datasets import Item, extract_answer
 from specquant_cli.decoding.gamma import GAMMA_MAX
 from specquant_cli.decoding.sampling import SamplingParams
@@ -55,6 +55,10 @@ class Record:
     forced: int = 0  # tokens its grammar forced, proposed at no draft cost
     forced_accepted: int = 0
     peak_rss_mb: float = 0.0  # the process's peak resident size during this policy's runs (system.memory)
+    repeat_tokens_per_s: list[float] = field(default_factory=list)  # each repeat's tokens_per_s, in order
+    predicted: bool = False  # the item's prediction was sent (Predicted Outputs)
+    prediction_accepted: int = 0  # of its tokens proposed as drafts, those the parent kept
+    prediction_rejected: int = 0  # ... and those it did not
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +76,7 @@ def warm_up(runtime: Runtime, roles: Sequence[str], runs: int) -> None:
             generate_text(Engine(ctx), prompt, 8)
 
 
-REFERENCE = "parent-f16"  # the F16 rendering alone, beside a parent of another rendering: the speed users know
+REFERENCE = report.REFERENCE  # the F16 rendering alone, beside a parent of another rendering
 
 
 def run(runtime: Runtime, router: Router, items: Sequence[Item], policies: Sequence[str], max_tokens: int,
@@ -155,6 +159,7 @@ def _timed_runs(runtime: Runtime, router: Router, item: Item, policy: str, sp: S
     session = ChatSession(runtime, router, policy, sp, max_tokens)
     if form is not None:
         session.grammar, session.tools = form.grammar, form.tools
+    session.prediction = item.prediction
     runs = []
     memory.reset_peak()
     for _ in range(max(1, repeats)):
@@ -184,7 +189,9 @@ def _hold_for(session: ChatSession, item: Item, max_tokens: int, warmup: int) ->
     if session.runtime.planner(session.policy) is not None:
         model = session.runtime.tokenizer()
         prompt = model.chat_prompt(session.messages(item.prompt), session.tools)
-        roles = session.plan(item.prompt, session.policy, prompt, answer_tokens=max_tokens)[1].roles
+        predicted = len(session.prediction_tokens(session.prediction))
+        roles = session.plan(item.prompt, session.policy, prompt, answer_tokens=max_tokens,
+                             prediction=predicted)[1].roles
     hold(session.runtime, session.policy, warmup, roles)
 
 
@@ -217,7 +224,9 @@ def _record(item: Item, policy: str, answer, tokens, runs, parent_tokens, sp) ->
         finish_reason=s.finish_reason, identical=identical, correct=correct,
         rss_mb=round(memory.rss_bytes() / 2**20, 1),
         text=answer.text, tokens=list(tokens), levels=dict(s.levels), guard_stop=s.guard_stop, forced=s.forced,
-        forced_accepted=s.forced_accepted)
+        forced_accepted=s.forced_accepted, repeat_tokens_per_s=[round(_tps(policy, a), 4) for a, _ in runs],
+        predicted=bool(item.prediction), prediction_accepted=s.prediction_accepted,
+        prediction_rejected=s.prediction_rejected)
 
 
 def judge_fidelity(runtime: Runtime, router: Router, items: Sequence[Item], records: Sequence[Record],

@@ -9,8 +9,9 @@ next starts: no contender inherits another's cache, and no two run at once (on 2
 the other's figures).
 
 Contenders are named `POLICY` (a specquant policy) or `llama:MODE` (llama-server: `plain`, `ngram-mod`: its
-n-gram table shared by every slot, `draft-q4`: the family's q4 file as its draft model, `draft-sibling`: the family's
-sibling model as its draft model)."""
+n-gram table shared by every slot, `ngram-simple` and `ngram-map-k`: its n-gram lookups over the request's own tokens,
+`draft-q4`: the family's q4 file as its draft model, `draft-sibling`: the family's sibling model as its draft model).
+A request's `prediction` (Predicted Outputs) goes to every server alike; llama-server ignores the field."""
 
 from __future__ import annotations
 
@@ -28,10 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from specquant_cli.bench.stamp import markdown_lines
 from specquant_cli.errors import InputError, SpecquantError
 from specquant_cli.settings import settings_table
 
-LLAMA_MODES = {"plain": [], "ngram-mod": ["--spec-type", "ngram-mod"], "draft-q4": ["-md", "{q4}", "-td", "{threads}"],
+# llama-server's modes, each at the settings its docs give (docs/speculative.md of the llama.cpp vendored in
+# llama-cpp-python 0.3.36): the n-gram drafters as their sample commands run them.
+LLAMA_MODES = {"plain": [],
+               "ngram-mod": ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "24",
+                             "--spec-ngram-mod-n-min", "48", "--spec-ngram-mod-n-max", "64"],
+               "ngram-simple": ["--spec-type", "ngram-simple", "--spec-draft-n-max", "64"],
+               "ngram-map-k": ["--spec-type", "ngram-map-k", "--spec-draft-n-max", "64"],
+               "draft-q4": ["-md", "{q4}", "-td", "{threads}"],
                "draft-sibling": ["-md", "{sibling}", "-td", "{threads}"]}
 START_TIMEOUT_S = 900.0  # a cold start loads every model of the family (and measures its costs when uncalibrated)
 STOP_TIMEOUT_S = 60.0
@@ -248,7 +257,7 @@ def _median(xs: list) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
-def report(runs: Sequence[Run], contenders: Sequence[Contender], setup: Setup, config: dict, command: str) -> dict:
+def report(runs: Sequence[Run], contenders: Sequence[Contender], setup: Setup, config: dict, stamp: dict) -> dict:
     """The side by side as JSON: every run (summary, verdicts, requests) and, per contender, the medians over its
     runs and its ratio to the first contender's."""
     rows = []
@@ -265,12 +274,24 @@ def report(runs: Sequence[Run], contenders: Sequence[Contender], setup: Setup, c
                      "itl_p50_s": _median([r.summary["itl_s"]["p50"] for r in mine]),
                      "fidelity": {k: sum(f[k] for f in fid) for k in ("judged", "identical", "near_tie", "unexplained")}
                      if fid else None,
+                     "prediction": _prediction(mine),
                      "plans": _plans(mine)})
-    return {"command": command, "family": str(setup.family.root), "parent": setup.family.parent_rendering,
+    return {"command": stamp["command"], "stamp": stamp, "family": str(setup.family.root),
+            "parent": setup.family.parent_rendering,
             "parallel": setup.parallel, "ctx": setup.ctx, "threads": setup.threads, "config": config,
             "servers": rows,
             "runs": [{"server": r.contender.name, "repeat": r.repeat, "summary": r.summary, "fidelity": r.fidelity,
                       "requests": [x.to_dict() for x in r.results]} for r in runs]}
+
+
+def _prediction(runs: Sequence[Run]) -> Optional[dict]:
+    """The prediction tokens a server said it kept and did not keep, over its runs (None: no prediction sent, or it
+    said nothing of them: llama-server)."""
+    acc = [r.summary.get("prediction_accepted") for r in runs]
+    rej = [r.summary.get("prediction_rejected") for r in runs]
+    if all(a is None for a in acc):
+        return None
+    return {"accepted": sum(a or 0 for a in acc), "rejected": sum(x or 0 for x in rej)}
 
 
 def _plans(runs: Sequence[Run]) -> dict[str, int]:
@@ -296,19 +317,28 @@ def markdown(rep: dict) -> str:
     c, rows = rep["config"], rep["servers"]
     runs = max(r["runs"] for r in rows)
     lines = [f"# Servers side by side: {c['scenario']}, {c['conversations']} conversations × {c['turns']} turns, "
-             f"--parallel {rep['parallel']}", "", f"- command: `{rep['command']}`",
+             f"--parallel {rep['parallel']}", "", f"- command: `{rep['command']}`", *markdown_lines(rep.get("stamp")),
              f"- family {rep['family']}, parent {rep['parent']}, {rep['threads']} threads, {c['max_tokens']} max "
              f"tokens, greedy, {c['concurrency'] or 'no cap on those'} in flight; each server started fresh, one at "
              "a time" + (f", {runs} times in turn (medians)" if runs > 1 else ""), "",
-             f"| server | output tok/s | vs {rows[0]['server']} | wall s | TTFT p50 ms | inter-token p50 ms | "
-             "identical / near-tie / unexplained | plans |", "|---|---|---|---|---|---|---|---|"]
+             f"| server | out tok/s | × {rows[0]['server']} | wall s | TTFT p50 ms | ITL p50 ms | ident/tie/unexpl |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
         f = row["fidelity"]
-        fid = f"{f['identical']} / {f['near_tie']} / {f['unexplained']}" if f else "–"
+        fid = f"{f['identical']}/{f['near_tie']}/{f['unexplained']}" if f else "–"
         ratio = f"{row['vs_first']:.2f}x" if row["vs_first"] else "–"
-        plans = ", ".join(f"{p} ({n})" for p, n in row["plans"].items()) or "–"
         lines.append(f"| {row['server']} | {_num(row['output_tokens_per_s'])} | {ratio} | {_num(row['wall_s'])} | "
-                     f"{_ms(row['ttft_p50_s'])} | {_ms(row['itl_p50_s'])} | {fid} | {plans} |")
+                     f"{_ms(row['ttft_p50_s'])} | {_ms(row['itl_p50_s'])} | {fid} |")
+    planned = [row for row in rows if row["plans"]]
+    if planned:  # what a specquant server said of its answers (llama-server says nothing)
+        lines += ["", "Plans each server ran (answers):"]
+        lines += [f"- {row['server']}: " + "; ".join(f"{p} ({n})" for p, n in row["plans"].items()) for row in planned]
+    said = [row for row in rows if row.get("prediction")]
+    if said:
+        lines += ["", "Prediction tokens kept / not kept, as each server's usage says: " + "; ".join(
+            f"{row['server']} {row['prediction']['accepted']} / {row['prediction']['rejected']}" for row in said)
+            + (" (llama-server says nothing of them)" if any(row["kind"] == "llama-server" for row in rows) else "")
+            + "."]
     if runs > 1:
         lines += ["", "| run | server | output tok/s | wall s |", "|---|---|---|---|"]
         for k, r in enumerate(rep["runs"], 1):

@@ -301,8 +301,16 @@ class ModelLevel:
         return {"level2_model_calls": own["model_calls"], "level2_model_s": own["model_s"]}
 
 
+# A mix leaves its model out while the answer copies: once it is COPY_MIN_TOKENS long and at least COPY_SHARE of it
+# came from the draft-free drafter's drafts. Each model draft after a copy run first catches up on the run (a decode
+# of it, or an import of the parent's cache), about a parent step; at an edit the parent's own few steps cost less.
+COPY_MIN_TOKENS = 32
+COPY_SHARE = 0.6
+
+
 class FallbackDrafter(DrafterBase):
-    """Free drafts from `first` (draft-free) when it offers them, the model's drafts otherwise.
+    """Free drafts from `first` (draft-free) when it offers them, the model's drafts otherwise — except while the
+    answer copies (COPY_SHARE of it from `first`'s drafts): then `first`'s alone, however short.
 
     The model drafter wakes up only once the answer is `activate_after` tokens long: without a KV import
     its prefill costs ~2/3 of the parent's per token on a CPU, more than short answers can win back."""
@@ -320,6 +328,7 @@ class FallbackDrafter(DrafterBase):
         self._prompt_len = 0
         self._active = False
         self._last = "first"
+        self._copied = 0  # answer tokens from `first`'s drafts
 
     @property
     def n_ctx(self) -> Optional[int]:
@@ -330,13 +339,15 @@ class FallbackDrafter(DrafterBase):
         with a KV import that costs milliseconds); otherwise when it first drafts."""
         self._prompt_len = len(seq)
         self._active = self.activate_after == 0
+        self._copied = 0
         self.first.prepare(seq)
         return self.then.prepare(seq) if self._active else None
 
     def propose(self, seq: Sequence[int], n: int, sp: SamplingParams, noise: Noise) -> Draft:
         d = self.first.propose(seq, n, sp, noise)
         self._last = "first"
-        if len(d.tokens) >= min(self.min_tokens, n) or len(seq) - self._prompt_len < self.activate_after:
+        answer = len(seq) - self._prompt_len
+        if len(d.tokens) >= min(self.min_tokens, n) or answer < self.activate_after or self.copying(answer):
             return d
         self._last = "model"
         g = n if self.model_gamma is None else min(n, self.model_gamma.draft_length())
@@ -346,6 +357,10 @@ class FallbackDrafter(DrafterBase):
             self.then.prepare(seq)
             self._active = True
         return self.then.propose(seq, g, sp, noise)
+
+    def copying(self, answer: int) -> bool:
+        """The answer (`answer` tokens so far) copies: COPY_MIN_TOKENS long, COPY_SHARE of it from `first`'s drafts."""
+        return answer >= COPY_MIN_TOKENS and self._copied >= COPY_SHARE * answer
 
     @property
     def counters(self) -> dict[str, float]:
@@ -358,6 +373,7 @@ class FallbackDrafter(DrafterBase):
 
     def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
         if self._last == "first":
+            self._copied += outcome.accepted
             self.first.feedback(seq, outcome)
             return
         if self.model_gamma is not None:

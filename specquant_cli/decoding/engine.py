@@ -64,6 +64,8 @@ class EngineStats:
     guard_stop: Optional[int] = None  # tokens into the answer when a rate guard stopped drafting
     forced: int = 0  # tokens a grammar forced, proposed at no draft cost (jump-forward)
     forced_accepted: int = 0  # of those, the parent's own picks
+    prediction_proposed: int = 0  # tokens of the request's prediction proposed as drafts (within `drafted`)
+    prediction_accepted: int = 0  # of those, the ones the parent kept (within `accepted`)
 
 
 class Engine:
@@ -151,13 +153,16 @@ class Engine:
 
     def _drafters_part(self, kinds: list[Source], outcome: CycleOutcome) -> CycleOutcome:
         """The cycle as the drafter and γ see it: its own tokens proposed and accepted, and the forced tokens the
-        parent kept as `free` (all counted in the stats); when the parent parted from the draft at a forced token,
-        the drafter's tokens after it were never judged: it proposed nothing this cycle, as far as it learns."""
+        parent kept as `free` (all counted in the stats, as are the prediction's tokens proposed and kept); when the
+        parent parted from the draft at a forced token, the drafter's tokens after it were never judged: it proposed
+        nothing this cycle, as far as it learns."""
         st, k = self.stats, outcome.accepted
         forced = [kind == "grammar" for kind in kinds]
         free = sum(forced[:k])
         st.forced += sum(forced)
         st.forced_accepted += free
+        st.prediction_proposed += kinds.count("prediction")
+        st.prediction_accepted += kinds[:k].count("prediction")
         st.accepted -= free
         judged = not (k < len(kinds) and forced[k])
         return CycleOutcome(len(kinds) - sum(forced) if judged else 0, k - free, outcome.next_token,

@@ -33,8 +33,15 @@ TIE_MARGIN = 1.01
 # costs; which length pays is the curves' choice (best_draft_length), not this bound's. (It was 8 while the parent
 # was F16, whose 16-token call costs 4 single steps; a BF16 parent's costs 2.6 on the AMD EPYC kind.)
 GAMMA_MAX = 15
-# Draft-free drafters (suffix) size each draft themselves, up to this.
+# Draft-free drafters (suffix) size each draft themselves, up to this (the `suffix` policy's cap, and the least a copied
+# answer is planned at).
 SUFFIX_GAMMA_MAX = 32
+# A copied answer (a prediction, or an answer that copies its prompt) is drafted up to the length where the parent's
+# measured call-cost curve stops paying at COPY_ALPHA per token, at most COPY_GAMMA_MAX: the calibration measures the
+# parent's calls up to COPY_GAMMA_MAX + 1 tokens (system.calibration.LONG_CALLS). A 16-token BF16 call of the 1.5B
+# parent costs 3.5 single steps on the AMD EPYC kind, so a right draft of 15 runs at 4.6x the parent's decode.
+COPY_GAMMA_MAX = 63
+COPY_ALPHA = 0.99
 # RateGuard: a planned answer stops drafting when, after this many drafting cycles, its drafting runs below
 # this share of the parent's own rate (the margin covers the VM's minute-to-minute drift of 10-30 %).
 GUARD_MIN_CYCLES = 6
@@ -88,6 +95,16 @@ def best_draft_length(rate: Callable[[int], float], gamma_max: int) -> tuple[int
         if r > best_rate * TIE_MARGIN:
             best, best_rate = gamma, r
     return best, best_rate
+
+
+def copy_length(verify_cost: Callable[[int], float], longest: int) -> int:
+    """The draft length a copied answer is planned at: the one with the most tokens per unit of a parent call's cost
+    (`verify_cost`, relative to one token) at COPY_ALPHA per token, among those whose call was measured (`longest`:
+    the longest call measured; beyond it a figure is an extrapolation, and not planned on), never below
+    SUFFIX_GAMMA_MAX (what plain suffix drafts are capped at)."""
+    top = max(0, min(COPY_GAMMA_MAX, longest - 1))
+    best = best_draft_length(lambda g: expected_tokens(COPY_ALPHA, g) / verify_cost(g + 1), top)[0]
+    return max(SUFFIX_GAMMA_MAX, best)
 
 
 class Acceptance:

@@ -32,12 +32,18 @@ MAX_CANDIDATES = 64  # most recent occurrences considered
 # documents, the index's lists and packed ints, and its gram keys, per stored token.
 BYTES_PER_TOKEN = 700
 _SHIFT = 32
+_POS = (1 << _SHIFT) - 1  # the position part of a packed (document << 32 | position)
 MAX_VIEWS = 256  # scopes' views kept (a view is a few bytes; a dropped one is made again)
 
 
 def tokens_for(budget_mib: float = DEFAULT_DRAFT_MEMORY_MIB) -> int:
     """The tokens a budget of `budget_mib` MiB holds."""
     return int(budget_mib * (1 << 20) // BYTES_PER_TOKEN)
+
+
+def packed(doc: int, pos: int) -> int:
+    """Position `pos` of document `doc`, packed as the index stores it."""
+    return (doc << _SHIFT) | pos
 
 
 def _entries_of(n: int) -> int:
@@ -157,19 +163,20 @@ class DraftMemory:
             return 0, []
 
     def _extend_back(self, seq: Sequence[int], packed: int, n: int) -> int:
-        body, pos, i = self._docs[packed >> _SHIFT], packed & ((1 << _SHIFT) - 1), n
+        body, pos, i = self._docs[packed >> _SHIFT], packed & _POS, n
         while i < MAX_EXTEND and i < len(seq) and pos - i - 1 >= 0 and body[pos - i - 1] == seq[-i - 1]:
             i += 1
         return i
 
-    def walk(self, cands: list[int], limit: int, min_prob: float) -> list[int]:
+    def walk(self, cands: list[int], limit: int, min_prob: float, survivors: Optional[list[int]] = None) -> list[int]:
         """Follow the continuation most candidates agree on while its estimated probability stays above
-        `min_prob`; the documents drafted from count as used."""
+        `min_prob`; the documents drafted from count as used. `survivors` (a list) receives the candidates whose
+        continuation is the whole walk."""
         with self._lock:
-            alive = [(self._docs[p >> _SHIFT], p & ((1 << _SHIFT) - 1)) for p in cands if (p >> _SHIFT) in self._docs]
+            alive = [(self._docs[p >> _SHIFT], p & _POS, p) for p in cands if (p >> _SHIFT) in self._docs]
             out, prob = [], 1.0
             for step in range(limit):
-                nxt = Counter(body[pos + step] for body, pos in alive if pos + step < len(body))
+                nxt = Counter(body[pos + step] for body, pos, _ in alive if pos + step < len(body))
                 if not nxt:
                     break
                 tok, c = nxt.most_common(1)[0]
@@ -177,11 +184,34 @@ class DraftMemory:
                 if prob < min_prob:
                     break
                 out.append(tok)
-                alive = [(b, p) for b, p in alive if p + step < len(b) and b[p + step] == tok]
+                alive = [(b, p, k) for b, p, k in alive if p + step < len(b) and b[p + step] == tok]
             for p in cands:
                 if (p >> _SHIFT) in self._lru:
                     self._lru.move_to_end(p >> _SHIFT)
+            if survivors is not None:
+                survivors += [k for _, _, k in alive]
             return out
+
+    def token_at(self, packed: int) -> Optional[int]:
+        """The token at a packed position (None: past its document's end, or the document is gone)."""
+        with self._lock:
+            body = self._docs.get(packed >> _SHIFT)
+            pos = packed & _POS
+            return body[pos] if body is not None and pos < len(body) else None
+
+    def find_after(self, packed: int, tail: Sequence[int], window: int) -> Optional[int]:
+        """Where a sequence that left a document at `packed` (a packed position) rejoins it: the packed position
+        right after the nearest occurrence of `tail` ending within `window` positions from `packed` on (a token
+        follows it); None when there is none, or the document is gone."""
+        with self._lock:
+            body = self._docs.get(packed >> _SHIFT)
+            if body is None or not tail:
+                return None
+            pos, m, tail = packed & _POS, len(tail), list(tail)
+            for end in range(max(pos, m - 1), min(len(body) - 1, pos + window)):
+                if body[end] == tail[-1] and body[end - m + 1:end + 1] == tail:
+                    return packed - pos + end + 1
+            return None
 
     def use(self) -> dict:
         """What the memory holds: documents, tokens, its budget (tokens and estimated bytes), evictions."""
@@ -211,8 +241,14 @@ class ScopedMemory:
     def match(self, seq: Sequence[int]) -> tuple[int, list[int]]:
         return self.memory.match(seq, self.scope)
 
-    def walk(self, cands: list[int], limit: int, min_prob: float) -> list[int]:
-        return self.memory.walk(cands, limit, min_prob)
+    def walk(self, cands: list[int], limit: int, min_prob: float, survivors: Optional[list[int]] = None) -> list[int]:
+        return self.memory.walk(cands, limit, min_prob, survivors)
+
+    def token_at(self, packed: int) -> Optional[int]:
+        return self.memory.token_at(packed)
+
+    def find_after(self, packed: int, tail: Sequence[int], window: int) -> Optional[int]:
+        return self.memory.find_after(packed, tail, window)
 
     def use(self) -> dict:
         return self.memory.use()

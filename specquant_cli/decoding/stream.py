@@ -19,7 +19,7 @@ STAT_FIELDS = ("prompt_tokens", "prefill_tokens", "new_tokens", "drafted", "acce
                "mean_accepted_length", "parent_calls", "prefill_s", "parent_prefill_s", "draft_prefill_s",
                "kv_import_s", "kv_import",
                "draft_s", "verify_s", "total_s", "tokens_per_s", "decode_tokens_per_s", "finish_reason", "levels",
-               "guard_stop", "forced", "forced_accepted")
+               "guard_stop", "forced", "forced_accepted", "prediction_accepted", "prediction_rejected")
 
 
 Span = tuple[str, Source]  # (text, where it came from)
@@ -54,6 +54,8 @@ class Response:
     guard_stop: Optional[int] = None  # tokens into the answer when its rate guard stopped drafting
     forced: int = 0  # tokens a grammar forced, proposed at no draft cost
     forced_accepted: int = 0  # of those, the parent's own picks
+    prediction_accepted: int = 0  # tokens of the request's prediction proposed as drafts that the parent kept
+    prediction_rejected: int = 0  # ... and those it did not (proposed, verified, not kept)
     logprobs: list = field(default_factory=list)  # the parent's TokenLogprob of this record's token, when asked
 
     def stats(self) -> dict:
@@ -76,6 +78,8 @@ def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finis
         verify_s=s.verify_s, total_s=total, tokens_per_s=s.new_tokens / total if total > 0 else 0.0,
         decode_tokens_per_s=s.new_tokens / decode if decode > 0 else 0.0, finish_reason=finish, spans=list(spans),
         levels=dict(s.levels), guard_stop=s.guard_stop, forced=s.forced, forced_accepted=s.forced_accepted,
+        prediction_accepted=s.prediction_accepted,
+        prediction_rejected=s.prediction_proposed - s.prediction_accepted,
         logprobs=[logprob] if logprob is not None else [])
 
 

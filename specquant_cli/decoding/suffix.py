@@ -5,7 +5,14 @@ on. Costs no model call.
 
 Draft length is chosen per draft from the cost of a call of that size (the parent's, or the draft model's
 when this drafter drafts for a draft: a second level) and the acceptance measured for matches of that
-length (the feedback hook), so a long copy run gets a long draft and a weak match a short one or none."""
+length (the feedback hook), so a long copy run gets a long draft and a weak match a short one or none.
+
+While an answer copies a document (a file in the prompt, a prediction), the drafter keeps its place in it: after a
+draft the parent kept whole, it drafts on from where the copy stands (`CONTINUE`), whatever else in the memory
+matches as well; where the parent departed from the document (an edit), it looks for the answer's last tokens a
+little further on in the same document and drafts from there once they appear (`REJOIN`: the edit is over; right
+after a departure from a copy, the parent's own token is first taken to replace the document's), rather than waiting
+for a match of MIN_MATCH tokens to build up again. Each has its own measured acceptance."""
 
 from __future__ import annotations
 
@@ -13,16 +20,25 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 from specquant_cli.decoding.drafters import DrafterBase
-from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX, Acceptance, best_draft_length, expected_tokens, verify_shape
+from specquant_cli.decoding.gamma import COPY_GAMMA_MAX, Acceptance, best_draft_length, expected_tokens, verify_shape
 from specquant_cli.decoding.memory import MAX_EXTEND, DraftMemory, Recorder
 from specquant_cli.decoding.protocols import CycleOutcome, Draft, verified
 
 MIN_MATCH = 3  # shorter matches do not draft: a 2-token coincidence is wrong more often than not
-# Per-token acceptance priors by match length bucket, before feedback arrives (decayed counts).
+# Per-token acceptance priors by match length bucket, before feedback arrives (decayed counts); then those of a
+# draft that continues the copy the parent kept whole (CONTINUE) and of one that rejoins it after an edit (REJOIN).
 BUCKETS = (3, 4, 6, 9, 17)
-PRIOR_ALPHA = (0.45, 0.55, 0.65, 0.75, 0.85)
+PRIOR_ALPHA = (0.45, 0.55, 0.65, 0.75, 0.85, 0.9, 0.6)
+CONTINUE, REJOIN = len(BUCKETS), len(BUCKETS) + 1
 PRIOR_WEIGHT = 4.0
 DECAY = 0.9
+REJOIN_WINDOW = 32  # positions after the departure where the answer's last tokens are looked for
+REJOIN_SPAN = 48  # answer tokens after a departure past which it is no edit any more (a match must find it)
+# The answer's last tokens looked for after a departure from a copy in progress (a draft that continued one, or a
+# match of COPY_MATCH tokens or more: an edit in a copied text, rejoined on one token), else its last two only (a
+# coincidence of one token is common in prose).
+COPY_MATCH = 9
+COPY_TAILS = (2, 1)
 
 
 def _bucket(match_len: int) -> int:
@@ -37,20 +53,47 @@ class SuffixDrafter(DrafterBase):
     name = "suffix"
     source = "suffix"
 
-    def __init__(self, gamma_max: int = SUFFIX_GAMMA_MAX, verify_cost: Optional[Callable[[int], float]] = None,
-                 min_prob: float = 0.3, memory: Optional[DraftMemory] = None, record: bool = True):
-        self.gamma_max = gamma_max
+    def __init__(self, gamma_max: int = COPY_GAMMA_MAX, verify_cost: Optional[Callable[[int], float]] = None,
+                 min_prob: float = 0.3, memory: Optional[DraftMemory] = None, record: bool = True,
+                 priors: Sequence[float] = PRIOR_ALPHA):
+        self.gamma_max = gamma_max  # the engine's draft length (a plan's cap) bounds it too
         self.verify_cost = verify_cost or verify_shape
         self.min_prob = min_prob
         self.memory = memory if memory is not None else DraftMemory()
         self.recorder = Recorder(self.memory) if record else None
-        self.acceptance = [Acceptance(a, PRIOR_WEIGHT, DECAY) for a in PRIOR_ALPHA]  # per match-length bucket
-        self._last_bucket: Optional[int] = None
+        # per kind of draft: match-length bucket, CONTINUE, REJOIN
+        self.acceptance = [Acceptance(a, PRIOR_WEIGHT, DECAY) for a in priors]
+        self._last: Optional[tuple[int, Optional[int], int]] = None  # (kind, packed start, len(seq)) of the draft
+        self._cursor: Optional[tuple[int, int]] = None  # (packed position, sequence length) where the copy stands
+        # (packed position, sequence length, tail lengths looked for, whether the parent's first token may have
+        # replaced the document's) of the last departure
+        self._departed: Optional[tuple[int, int, tuple[int, ...], bool]] = None
+
+    @property
+    def kind(self) -> Optional[int]:
+        """The kind of the last draft (a match-length bucket, CONTINUE or REJOIN); None when it proposed nothing."""
+        return self._last[0] if self._last is not None else None
+
+    @property
+    def start(self) -> Optional[int]:
+        """The packed position the last draft was read from (None: it proposed nothing, or several agreed on it)."""
+        return self._last[1] if self._last is not None else None
 
     def prepare(self, seq: Sequence[int]) -> None:
         if self.recorder is not None:
             self.recorder.start(seq)
+        self._cursor = self._departed = None
         return None
+
+    def expect(self, start: int, seq: Sequence[int], doc_tokens: Sequence[int], doc_start: int) -> None:
+        """An answer that is expected to copy a document from its beginning (a prediction): `doc_start` is the packed
+        position of the document's first token, `doc_tokens` its tokens, `start` where the answer begins in `seq`.
+        The copy stands where the answer so far follows the document, else it departed at its first token."""
+        answer = list(seq[start:])
+        if answer == list(doc_tokens[:len(answer)]) and len(answer) < len(doc_tokens):
+            self._cursor, self._departed = (doc_start + len(answer), len(seq)), None
+        else:
+            self._cursor, self._departed = None, (doc_start, start, COPY_TAILS, False)
 
     def remember(self, seq: Sequence[int]) -> None:
         """Write the verified sequence `seq` (a continuation of the last, or a new document)."""
@@ -64,29 +107,74 @@ class SuffixDrafter(DrafterBase):
 
     def propose(self, seq: Sequence[int], n: int, sp=None, noise=None) -> Draft:
         self.remember(verified(seq))  # a grammar's forced tokens at its end are drafted after, not remembered
-        return self.lookup(seq, n)
+        return self.lookup(seq, n, track=True)
 
     def propose_after(self, seq: Sequence[int], out: list[int], room: int, sp=None, noise=None) -> list[int]:
         """As a lower level (protocols.Level): up to `room` tokens after seq + out, reading only the tail (a match
         extends at most MAX_EXTEND tokens back)."""
         return self.lookup(list(seq[-MAX_EXTEND:]) + out, room).tokens
 
-    def lookup(self, seq: Sequence[int], n: int) -> Draft:
-        """Up to n tokens after `seq` from the memory, writing nothing (`seq` may end in unverified drafts)."""
-        self._last_bucket = None
+    def lookup(self, seq: Sequence[int], n: int, track: bool = False) -> Draft:
+        """Up to n tokens after `seq` from the memory, writing nothing (`seq` may end in unverified drafts).
+        `track`: `seq` is the answer's own sequence (not a second level's), so where the copy stands is followed."""
+        self._last = None
         if n <= 0:
             return Draft()
-        match_len, cands = self.memory.match(seq)
-        if match_len < MIN_MATCH:
+        track = track and len(verified(seq)) == len(seq)
+        found = self._find(seq, track)
+        if found is None:
             return Draft()
-        tokens = self.memory.walk(cands, min(n, self.gamma_max), self.min_prob)
-        b = _bucket(match_len)
-        g = self._best_length(self.acceptance[b].alpha, len(tokens), n)
+        kind, cands = found
+        survivors: list[int] = []
+        tokens = self.memory.walk(cands, min(n, self.gamma_max), self.min_prob, survivors)
+        g = self._best_length(self.acceptance[kind].alpha, len(tokens), n)
         if g == 0:
             return Draft()
-        self._last_bucket = b
+        start = survivors[0] if track and len(survivors) == 1 else None
+        self._last = (kind, start, len(seq))
         return Draft(tokens[:g])
 
+    def _find(self, seq: Sequence[int], track: bool) -> Optional[tuple[int, list[int]]]:
+        """(kind, candidate packed positions) to draft from: where the copy stands, else the longest match, else
+        (following the answer) where it rejoins the document it departed from; None when there is nothing."""
+        if track and self._cursor is not None:
+            at, n = self._cursor
+            if n == len(seq) and self.memory.token_at(at) is not None:
+                return CONTINUE, [at]
+            self._cursor = None
+        match_len, cands = self.memory.match(seq)
+        if match_len >= MIN_MATCH:
+            return _bucket(match_len), cands
+        if not track or self._departed is None:
+            return None
+        at, n, tails, replaced = self._departed
+        since = len(seq) - n  # answer tokens since the departure (the parent's own first)
+        if since > REJOIN_SPAN:
+            self._departed = None
+            return None
+        for m in tails:
+            if since >= m:
+                q = self.memory.find_after(at, seq[len(seq) - m:], REJOIN_WINDOW)
+                if q is not None:
+                    return REJOIN, [q]
+        if since == 1 and replaced and self.memory.token_at(at + 1) is not None:
+            return REJOIN, [at + 1]  # the parent's token took the document's (a renamed word): on from the next
+        return None
+
     def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
-        if self._last_bucket is not None:
-            self.acceptance[self._last_bucket].observe(outcome.accepted, outcome.proposed)
+        if self._last is None:
+            return
+        kind, start, n = self._last
+        self.acceptance[kind].observe(outcome.accepted, outcome.proposed)
+        if start is None or n != len(seq):
+            return
+        k = outcome.accepted
+        here = start + k  # the document's token at the position the parent's own token took
+        if k == outcome.proposed and self.memory.token_at(here) == outcome.next_token:
+            self._cursor, self._departed = (here + 1, n + k + 1), None
+        elif kind == REJOIN and k == 0 and self._departed is not None:  # a wrong rejoin: the edit goes on
+            self._cursor, self._departed = None, (*self._departed[:3], False)
+        else:  # a copy in progress (or a long match, or an edit in one) is rejoined on the answer's last token alone,
+            # and the parent's token first taken to replace the document's
+            copying = kind in (CONTINUE, REJOIN) or (kind < len(BUCKETS) and BUCKETS[kind] >= COPY_MATCH)
+            self._cursor, self._departed = None, (here, n + k, COPY_TAILS if copying else (2,), copying)

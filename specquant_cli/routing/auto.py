@@ -2,6 +2,12 @@
 speedup over the parent from this machine's measured costs (system.calibration), the prompt's route and
 its copy potential, and run the best one; never a plan predicted below 1.0x (the parent alone is the floor).
 
+A copied answer is drafted as far as the parent's measured call-cost curve pays (`copy_cap`): the suffix drafts of
+every plan that has them, and with a prediction (Predicted Outputs) the plan is suffix drafts alone — the prediction
+and the prompt draft, no draft model is paid for an answer that is already written down (its drafts stack on the
+plan's: runtime.Runtime.engine). A mix of suffix and model drafts leaves the model out while its answer copies
+(decoding.drafters.FallbackDrafter).
+
 Predictions start from priors and follow what the session measures: after each answer the measured
 speedup of the plan that ran updates that plan's estimate for the tier. Within an answer, the model
 drafter's adaptive draft length drops to 0 (parent steps, with an occasional probe) when acceptance
@@ -15,7 +21,14 @@ from typing import Optional
 
 import numpy as np
 
-from specquant_cli.decoding.gamma import GAMMA_MAX, SUFFIX_GAMMA_MAX, best_draft_length, expected_tokens, verify_shape
+from specquant_cli.decoding.gamma import (
+    GAMMA_MAX,
+    SUFFIX_GAMMA_MAX,
+    best_draft_length,
+    copy_length,
+    expected_tokens,
+    verify_shape,
+)
 from specquant_cli.decoding.rounds import best_calls
 from specquant_cli.family.roles import PARENT_ROLE, STANDARD_DRAFTS
 from specquant_cli.routing.plan import Plan, PlanContext
@@ -312,6 +325,21 @@ def choose(cands: list[Candidate]) -> Candidate:
     return max(ok, key=lambda c: (round(c.predicted, 3), "suffix" in c.name))  # ties: the free drafts too
 
 
+def copy_cap(calibration, position: int = 0) -> tuple[int, str]:
+    """(draft length, why) of the suffix and prediction drafts of a copied answer: the longest the parent's measured
+    call-cost curve pays at the context `position` (decoding.gamma.copy_length), within the calls measured; a
+    calibration stored before the long calls were measured, or none, gives the plain suffix cap."""
+    if calibration is None:
+        return SUFFIX_GAMMA_MAX, "uncalibrated: the suffix policy's cap"
+    if hasattr(calibration, "at") and position:
+        calibration = calibration.at(position)
+    cap = copy_length(calibration.verify_cost, calibration.longest_call)
+    if calibration.longest_call <= SUFFIX_GAMMA_MAX:
+        return cap, (f"parent calls measured up to {calibration.longest_call} tokens: the suffix policy's cap; "
+                     "specquant calibrate measures longer ones")
+    return cap, f"the parent's measured call-cost curve, up to {calibration.longest_call} tokens"
+
+
 def usable_roles(roles: Sequence[str], calibration) -> tuple[str, ...]:
     """The draft roles of `roles` auto's plans use for the common prompt, as `calibration` prices them: the roles of
     every candidate that clears its bar for a prompt of no, half or full copy potential and of up to USABLE_PROMPTS[-1]
@@ -348,14 +376,21 @@ class AutoPlanner:
         self._calibration = ctx.calibration
         cands = candidates(ctx.tier or "high", ctx.copy, ctx.roles, ctx.calibration, self.state, ctx.position,
                            ctx.prompt_tokens, ctx.answer_tokens)
+        shown = tuple({"plan": c.name, "predicted_speedup": round(c.predicted, 3), "gamma": c.gamma, "why": c.why,
+                       "source": c.source} for c in cands)
+        cap, cap_why = copy_cap(ctx.calibration, ctx.position)
+        if ctx.prediction:  # the answer is written down: drafted as far as a call pays, and no model paid for it
+            return Plan(ctx.policy, ctx.tier, PARENT_ROLE, "suffix", gamma_policy="capped", gamma_cap=cap,
+                        candidates=shown, why=f"a prediction of {ctx.prediction} tokens: drafted from it and the "
+                                              f"prompt, up to {cap} tokens a call ({cap_why}), no draft model")
         best = choose(cands)
         why = f"{best.name} predicted {best.predicted:.2f}x ({best.source}): {best.why}"
         if best.drafter is None:
             why = "no candidate predicted above 1.0x: " + why
+        elif best.gamma_policy == "capped":
+            why += f"; copy runs drafted up to {cap} tokens a call ({cap_why})"
         return Plan(ctx.policy, ctx.tier, PARENT_ROLE, best.drafter, gamma_policy=best.gamma_policy,
-                    gamma_cap=SUFFIX_GAMMA_MAX if best.gamma_policy == "capped" else None,
-                    candidates=tuple({"plan": c.name, "predicted_speedup": round(c.predicted, 3), "gamma": c.gamma,
-                                      "why": c.why, "source": c.source} for c in cands), why=why)
+                    gamma_cap=cap if best.gamma_policy == "capped" else None, candidates=shown, why=why)
 
     def usable(self, roles: Sequence[str], calibration) -> tuple[str, ...]:
         return usable_roles(roles, calibration)

@@ -15,7 +15,7 @@ from typing import Optional
 from specquant_cli.decoding.gamma import SUFFIX_GAMMA_MAX
 from specquant_cli.decoding.registry import drafter_spec, parse_chain
 from specquant_cli.errors import InputError
-from specquant_cli.family.roles import PARENT_ROLE, RENDERINGS, is_role_name
+from specquant_cli.family.roles import PARENT_ROLE, RENDERINGS, draft_roles, is_role_name
 from specquant_cli.names import TIERS, Tier
 from specquant_cli.routing.plan import GammaPolicyKind, Plan, PlanContext, Planner
 from specquant_cli.settings import PolicyTable, register_policy_table
@@ -149,16 +149,48 @@ def policy_spec(name: str) -> PolicySpec:
                      "a role")
 
 
-def check_policy(name: str, roles: Optional[Sequence[str]] = None) -> str:
+def check_policy(name: str, roles: Optional[Sequence[str]] = None, siblings: Optional[Sequence[str]] = None) -> str:
     """`name` is a policy (or `spec-<role>`); with a family's `roles`, also one that family can run: every role
-    its plans load, over every tier, is there (a planner picks among the family's roles itself)."""
+    its plans load, over every tier, is there (a planner picks among the family's roles itself); with its `siblings`
+    too, a chain `spec-chain-<sibling>-<role>` names a sibling first and a draft of the parent's network second
+    (chain_problem), refused before any model loads."""
     spec = policy_spec(name)
+    chain = parse_chain(name.removeprefix("spec-")) if name.startswith("spec-") and name not in POLICIES else None
+    if chain is not None and roles is not None and siblings is not None:
+        why = chain_problem(chain, roles, siblings)
+        if why:
+            raise InputError(f"policy {name}: {why}")
     if roles is not None and spec.planner is None:
         missing = [r for r in all_roles([name]) if r not in roles]
         if missing:
             raise InputError(f"policy {name}: the family has no {' or '.join(map(repr, missing))} variant "
                              f"(it has: {', '.join(roles)})")
     return name
+
+
+def chain_problem(chain: tuple[str, str], roles: Sequence[str], siblings: Sequence[str]) -> Optional[str]:
+    """Why a family of `roles` and `siblings` cannot run the chain (sibling, role): which of the two is wrong, and the
+    chains it can run (none: how to get one); None when it can."""
+    sib, role = chain
+    drafts = [r for r in draft_roles(roles) if r not in siblings]
+    valid = [f"spec-chain-{s}-{r}" for s in siblings for r in drafts]
+    if valid:
+        can = f"this family's chains: {', '.join(valid)}"
+    elif siblings:
+        can = "this family has no draft of its own network (q4) to chain"
+    else:
+        can = ("this family has no chain: it needs a sibling model (quantize --draft-model SMALL.gguf --family FAMILY) "
+               "and a draft of its own network (q4)")
+    if sib not in siblings and role in siblings:
+        return (f"the roles are the wrong way round: {role} is the sibling model, and a chain names the sibling first "
+                f"(spec-chain-{role}-{sib}); {can}")
+    if sib not in siblings:
+        return f"{sib!r} is not a sibling model of this family (a chain's first role is the sibling that drafts); {can}"
+    if role in siblings:
+        return f"{role!r} is a sibling model too; a chain's second role is a draft of the parent's own network; {can}"
+    if role not in drafts:
+        return f"the family has no {role!r} draft for the sibling {sib} to draft for; {can}"
+    return None
 
 
 def plan_for(policy: str, tier: Optional[Tier], context: Optional[PlanContext] = None,
@@ -183,7 +215,7 @@ def all_roles(policies: list[str]) -> list[str]:
 
 
 def markdown_table() -> str:
-    """The README's policy table, generated from the registry (a test keeps the README in step)."""
+    """The policy table of docs/policies.md, generated from the registry (specquant_cli.reference writes it)."""
     rows = ["| policy | what runs | output |", "|---|---|---|"]
     for n, s in POLICIES.items():
         name = f"`{n}`" + (" (default)" if n == DEFAULT_POLICY else "")

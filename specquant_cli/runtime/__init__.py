@@ -110,7 +110,7 @@ class Runtime:
         return done
 
     def engine(self, plan: Plan, sp: SamplingParams, position: int = 0, scope: str = "", grammar=None,
-               top_logprobs: Optional[int] = None) -> Engine:
+               top_logprobs: Optional[int] = None, prediction: Optional[Sequence[int]] = None) -> Engine:
         """An engine for `plan`: loads the plan's roles (placement-checked), builds its drafter (scoped to the
         plan's policy) and γ policy. A planned answer (a policy with a planner) drafts under a rate guard: it
         goes on with the parent alone once its drafting runs below the parent's rate (decoding.gamma.RateGuard).
@@ -123,11 +123,24 @@ class Runtime:
                 the drafter reads and writes.
             grammar: what the answer must be (decoding.grammar.Grammar), or None. A policy that speculates (a
                 drafter, or a planner) proposes the tokens it forces at no draft cost; a model alone does not.
-            top_logprobs: record the parent's log-probabilities with that many alternatives (None: none)."""
+            top_logprobs: record the parent's log-probabilities with that many alternatives (None: none).
+            prediction: token ids the answer is expected to resemble (Predicted Outputs), or None. A policy that
+                speculates drafts from them too (decoding.prediction.PredictionDrafter, stacked on the plan's drafter,
+                whose drafts keep their own length), up to the draft length the parent's call-cost curve pays for a
+                copy (CostModel.copy_length); a model alone, or the parent alone, does not."""
         self.pool.ensure(plan.roles)
         drafter = self.drafters.drafter(plan.drafter, plan.target, plan.policy, scope) if plan.drafter else None
         gamma = self.costs.gamma_policy(plan) if drafter else FixedGamma(0)
-        step = self.costs.parent_step_s() if drafter and policy_spec(plan.policy).planner is not None else None
+        planned = policy_spec(plan.policy).planner is not None
+        speculates = plan.drafter is not None or planned
+        if prediction and speculates:
+            from specquant_cli.decoding.prediction import PredictionDrafter
+
+            cap = max(self.costs.copy_length(), plan.gamma_cap or 0)
+            drafter = PredictionDrafter(prediction, position, drafter, gamma if drafter else None,
+                                        self.costs.verify_cost(), cap)
+            gamma = FixedGamma(cap)
+        step = self.costs.parent_step_s() if drafter and planned else None
         if step is not None:
             gamma = RateGuard(gamma, step, position)
         target = self.pool.context(plan.target)
@@ -136,7 +149,6 @@ class Runtime:
             from specquant_cli.decoding.grammar import Constraint
 
             constraint = Constraint(grammar, target.model)
-        speculates = plan.drafter is not None or policy_spec(plan.policy).planner is not None
         return Engine(target, drafter, gamma, sp, first_alone=True, constraint=constraint,
                       jump_forward=speculates, top_logprobs=top_logprobs,
                       max_runs=1 if self.costs.pacer is not None else MAX_SEGMENTS)

@@ -11,8 +11,10 @@ from specquant_cli.decoding.gamma import (
     CALIBRATED_PRIOR_COUNTS,
     GAMMA_MAX,
     PRIOR_PSEUDO_COUNTS,
+    SUFFIX_GAMMA_MAX,
     AdaptiveGamma,
     FixedGamma,
+    copy_length,
 )
 from specquant_cli.decoding.registry import drafter_spec
 from specquant_cli.errors import InputError, ResourceError
@@ -149,6 +151,15 @@ class CostModel:
 
         c = self.calibration(measure=False)
         return c.verify_cost if c else verify_shape
+
+    def copy_length(self) -> int:
+        """The draft length a copied answer is planned at (decoding.gamma.copy_length): from this machine's measured
+        call-cost curve, within the calls it measured (an older calibration's, up to 16 tokens, gives the least:
+        SUFFIX_GAMMA_MAX); SUFFIX_GAMMA_MAX uncalibrated."""
+        c = self.calibration(measure=False)
+        if c is None:
+            return SUFFIX_GAMMA_MAX
+        return copy_length(c.verify_cost, c.longest_call)
 
     def model_gamma(self, role: str) -> AdaptiveGamma:
         """Adaptive γ for `role`'s drafts, starting at the session's γ, its cost estimates seeded with the

@@ -74,6 +74,8 @@ class Metrics:
         self.drafted = Counter(PREFIX + "drafted_tokens", "Tokens drafted, by policy", ["policy"], registry=r)
         self.accepted = Counter(PREFIX + "accepted_tokens", "Drafted tokens the parent accepted, by policy",
                                 ["policy"], registry=r)
+        self.prediction = Counter(PREFIX + "prediction_tokens", "Tokens of requests' predictions (Predicted Outputs) "
+                                  "the parent verified, by whether it kept them", ["kept"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "From a request's arrival to its first text",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Between consecutive tokens' text of a request",
@@ -82,6 +84,8 @@ class Metrics:
                                  "last text", buckets=LATENCY_BUCKETS, registry=r)
         for outcome in OUTCOMES:  # every series exists from the start, at 0
             self.requests.labels(outcome)
+        for kept in ("accepted", "rejected"):
+            self.prediction.labels(kept)
         for policy in policies:
             self.drafted.labels(policy)
             self.accepted.labels(policy)
@@ -134,6 +138,8 @@ class Observation:
             m.generated_tokens.inc(rec.new_tokens)
             m.drafted.labels(self._answer.plan.policy).inc(rec.drafted)
             m.accepted.labels(self._answer.plan.policy).inc(rec.accepted)
+            m.prediction.labels("accepted").inc(rec.prediction_accepted)
+            m.prediction.labels("rejected").inc(rec.prediction_rejected)
         if outcome == "served":
             m.latency.observe(self._clock() - self.arrival)
 

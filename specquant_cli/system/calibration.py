@@ -1,9 +1,9 @@
 """What this machine's calls cost for a family, as the `auto` policy reads it: a `Calibration` holds the measured
-curves — the parent's call on 1..MAX_BATCH tokens, each draft role's call on 1..DRAFT_BATCH tokens, its one-token
-step and two-token catch-up, prefill per token, the same calls deep in the context (attention reads every cached
-position), the drafts' imports of the parent's cache, each draft's agreement with the parent, and where the family
-holds both renderings of its parent, both timed back to back — and prices a call, a draft cycle or an import from
-them, after any number of positions (`at`) and for one of B sequences decoded together (`for_batch`).
+curves — the parent's call on 1..MAX_BATCH tokens and on LONG_CALLS, each draft role's call on 1..DRAFT_BATCH
+tokens, its one-token step and two-token catch-up, prefill per token, the same calls deep in the context (attention
+reads every cached position), the drafts' imports of the parent's cache, each draft's agreement with the parent, and
+where the family holds both renderings of its parent, both timed back to back — and prices a call, a draft cycle or
+an import from them, after any number of positions (`at`) and for one of B sequences decoded together (`for_batch`).
 
 system.measure measures one; system.calibration_file stores it in the family folder (or the user cache), keyed by
 a hardware fingerprint, and checks every stored entry on every read."""
@@ -15,7 +15,11 @@ from typing import Optional
 
 from specquant_cli.family.roles import PARENT_ROLE
 
-MAX_BATCH = 16  # parent call sizes measured: 1..MAX_BATCH tokens
+MAX_BATCH = 16  # parent call sizes measured: 1..MAX_BATCH tokens, and LONG_CALLS
+# Longer parent calls, measured for the drafts of a copied answer (decoding.gamma.COPY_GAMMA_MAX + 1 the longest).
+# A calibration stored before they were measured holds 1..MAX_BATCH only: it still loads, and a copy is then planned
+# within what it measured (decoding.gamma.copy_length); `specquant calibrate` measures them.
+LONG_CALLS = (24, 32, 48, 64)
 DRAFT_BATCH = 8  # draft call sizes measured: 1..DRAFT_BATCH tokens (a draft verifying another's proposals)
 DEEP_POS = 1024  # the deep position measured, when the context has room for it and a call after it
 DEEP_MIN = 256  # a context with less room than this is not measured deep (too close to PREFILL_TOKENS)
@@ -53,8 +57,13 @@ class Calibration:
     renderings: dict[str, dict] = field(default_factory=dict)
 
     def verify_cost(self, n: int) -> float:
-        """A parent call on n tokens, relative to a one-token call (linear beyond the measured sizes)."""
+        """A parent call on n tokens, relative to a one-token call (linear between and beyond the measured sizes)."""
         return _curve_at(self.parent_call_s, n) / self.parent_call_s[1]
+
+    @property
+    def longest_call(self) -> int:
+        """The most tokens of a parent call measured (MAX_BATCH for a calibration stored before LONG_CALLS were)."""
+        return max(self.parent_call_s)
 
     def draft_ratio(self, role: str) -> Optional[float]:
         """A draft step relative to a one-token parent call."""
@@ -199,10 +208,15 @@ def _per_role(d: dict) -> dict[str, float]:
 
 
 def _curve_at(curve: dict[int, float], n: int) -> float:
-    """A measured cost curve (call size -> seconds) at n: the measured figure, else the line through the
-    largest size and half of it (the calls grow linearly once the matrix kernels are saturated)."""
+    """A measured cost curve (call size -> seconds) at n: the measured figure; between two measured sizes above
+    MAX_BATCH (LONG_CALLS), the line through them; else the line through the largest size and half of it (the
+    calls grow linearly once the matrix kernels are saturated)."""
     if n in curve:
         return curve[n]
+    above = [k for k in curve if k > n]
+    if n > MAX_BATCH and above:
+        lo, hi = max(k for k in curve if k < n), min(above)
+        return curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo)
     top = max(curve)
     half = max((k for k in curve if k <= top // 2), default=top)
     slope = (curve[top] - curve[half]) / (top - half) if half < top else 0.0

@@ -22,6 +22,7 @@ from specquant_cli.names import CALIBRATION
 from specquant_cli.system.calibration import (
     DEEP_SIZES,
     DRAFT_BATCH,
+    LONG_CALLS,
     MAX_BATCH,
     PREFILL_TOKENS,
     RENDERING_SIZES,
@@ -141,11 +142,13 @@ def _check_entry(entry) -> None:
     calls = entry["parent_call_s"]
     sizes = []
     for k, v in calls.items():
-        if not (k.isascii() and k.isdigit() and 1 <= int(k) <= MAX_BATCH):
-            raise ValueError(f"parent_call_s has the call size {k[:20]!r}, not one of 1..{MAX_BATCH}")
+        if not (k.isascii() and k.isdigit() and len(k) <= 3 and (1 <= int(k) <= MAX_BATCH or int(k) in LONG_CALLS)):
+            raise ValueError(f"parent_call_s has the call size {k[:20]!r}, not one of 1..{MAX_BATCH}, "
+                             f"{', '.join(map(str, LONG_CALLS))}")
         sizes.append(int(k))
         _seconds(v, f"parent_call_s[{k}]")
-    if sorted(sizes) != list(range(1, len(sizes) + 1)):
+    short = sorted(n for n in sizes if n <= MAX_BATCH)  # the long calls come on top of all the short ones, or none
+    if short != list(range(1, len(short) + 1)) or (len(short) < MAX_BATCH and len(short) < len(sizes)):
         raise ValueError(f"parent_call_s sizes {sorted(sizes)} are not 1..N" if sizes else "parent_call_s is empty")
     for name in ("draft_step_s", "prefill_token_s", "draft_pair_s"):
         _roles(entry[name], name)

@@ -1,7 +1,8 @@
 """Measuring this machine's costs for a family (a system.calibration.Calibration), once per family and machine:
 
-- the parent's call on 1..MAX_BATCH tokens, and each draft role's call on 1..DRAFT_BATCH tokens (every model
-  draft the family has: q4, q8 and recipes such as q4i, q3g), each after the same 64-token synthetic prompt;
+- the parent's call on 1..MAX_BATCH tokens and on LONG_CALLS (the drafts of a copied answer), and each draft role's
+  call on 1..DRAFT_BATCH tokens (every model draft the family has: q4, q8 and recipes such as q4i, q3g), each after
+  the same 64-token synthetic prompt;
 - each draft role's one-token step and its two-token catch-up call ("pair");
 - prefill per prompt token, for every role;
 - the same calls on 1, 4 and 8 tokens deep in the context (DEEP_POS positions, or fewer in a small
@@ -25,6 +26,7 @@ from specquant_cli.system.calibration import (
     DEEP_POS,
     DEEP_SIZES,
     DRAFT_BATCH,
+    LONG_CALLS,
     MAX_BATCH,
     PREFILL_TOKENS,
     RENDERING_SIZES,
@@ -205,7 +207,8 @@ def _time_rounds(ctx_for, parent: str, drafts: list[str], prompt: list[int], tic
     the fastest of each kept, the call curves made monotone. Each context holds `prompt` on entry. Returns
     (parent calls, draft steps, draft pairs, draft calls). One tick per round."""
     pctx = ctx_for(parent)
-    calls = {n: float("inf") for n in range(1, MAX_BATCH + 1)}
+    long = [n for n in LONG_CALLS if n <= len(prompt) and len(prompt) + n <= pctx.n_ctx]
+    calls = {n: float("inf") for n in [*range(1, MAX_BATCH + 1), *long]}
     steps_s = {role: float("inf") for role in drafts}
     pairs = {role: float("inf") for role in drafts}
     draft_calls = {role: {n: float("inf") for n in range(1, DRAFT_BATCH + 1)} for role in drafts}
