@@ -8,7 +8,8 @@
 #     AMX they are compiled in, and on some VMs they fault (SIGILL in ggml_backend_amx_mul_mat) on every
 #     Q4_0/Q8_0 batch. SPECQUANT_AMX=1 keeps them, on a host where they work.
 #   - GGML_RPC (llama.cpp's RPC backend).
-#   - SPECQUANT_CMAKE_ARGS: extra CMake flags passed through (-DGGML_CUDA=on, -DGGML_VULKAN=on, ...).
+#   - SPECQUANT_CMAKE_ARGS: extra CMake flags passed through (-DGGML_CUDA=on, -DGGML_VULKAN=on, ...). CUDA asked
+#     for where no nvcc is found stops the set-up with one line before anything is touched.
 #   - The wheel is kept in a cache keyed by the CPU's model and flags and the build flags, never reused on
 #     another CPU. After installing, a self-test decodes through every weight type in child processes; a
 #     build that dies there is replaced by a conservative one (no -march=native: AVX2 baseline), and if
@@ -17,21 +18,20 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
 LLAMA_PIN=llama-cpp-python==0.3.36
+source scripts/_build.sh  # no_amx_flags, wants_cuda, find_nvcc
+
+# A CUDA build without a CUDA compiler would fail minutes into the build, after the old llama-cpp-python was
+# uninstalled: refuse it here, before .venv is touched.
+if wants_cuda "${SPECQUANT_CMAKE_ARGS:-}" && ! find_nvcc >/dev/null; then
+  echo "setup: error: SPECQUANT_CMAKE_ARGS='${SPECQUANT_CMAKE_ARGS}' asks for CUDA, but no nvcc was found (PATH," \
+       "CUDACXX, ${CUDA_PATH:-/usr/local/cuda}/bin); install the CUDA toolkit or leave -DGGML_CUDA out" >&2
+  exit 1
+fi
 
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PYTHON --version)" >&2
   "$PYTHON" -m venv .venv
 fi
-
-# Compiler flags that leave out ggml's AMX kernels (only those this gcc knows; none off x86).
-no_amx_flags() {
-  local f out=""
-  [ "$(uname -m)" = x86_64 ] || return 0
-  for f in -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -mno-amx-fp16 -mno-amx-complex; do
-    if echo 'int main(void){return 0;}' | ${CC:-cc} "$f" -x c -o /dev/null - 2>/dev/null; then out="$out $f"; fi
-  done
-  echo "${out# }"
-}
 
 # build_config MODE -> "CMAKE_ARGS|CFLAGS" for MODE native (default) or baseline (the conservative retry).
 build_config() {

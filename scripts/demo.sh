@@ -4,7 +4,7 @@
 # the doctor's report, a routed answer to a piped prompt, and a short parent-vs-auto bench on two prompts
 # (code, summarization). The first run also measures this machine's costs for auto (once per family and machine).
 source "$(dirname "$0")/_setup.sh"
-FAMILY=models/qwen2.5-coder-1.5b
+FAMILY=qwen2.5-coder-1.5b  # by name: pull makes it in ./models here, and --family NAME finds it from any folder
 echo "== specquant pull qwen2.5-coder-1.5b" >&2
 specquant pull qwen2.5-coder-1.5b
 echo "== specquant doctor --family $FAMILY" >&2

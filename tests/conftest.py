@@ -26,15 +26,18 @@ def selftest_cache(tmp_path_factory) -> Iterator[Path]:
     cache = tmp_path_factory.mktemp("xdg-cache")
     old = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(cache)  # for the session fixtures too (set up before _isolate)
+    old_data = os.environ.get("XDG_DATA_HOME")
+    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("xdg-data"))  # their models folder (family.store)
     os.environ["SPECQUANT_PARENT"] = PINNED_PARENT  # and the module fixtures' servers and commands (see _isolate)
     r = selftest.run()
     if not r.ok:
         pytest.exit(f"llama.cpp self-test failed: {r.error}", returncode=1)
     yield cache
-    if old is None:
-        os.environ.pop("XDG_CACHE_HOME", None)
-    else:
-        os.environ["XDG_CACHE_HOME"] = old
+    for name, value in (("XDG_CACHE_HOME", old), ("XDG_DATA_HOME", old_data)):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)
@@ -43,6 +46,8 @@ def _isolate(monkeypatch, tmp_path_factory, selftest_cache):
     monkeypatch.setenv("COLUMNS", "120")
     monkeypatch.setenv("TERM", "dumb")
     monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+    # each test's own models folder (family.store): what one pulls or quantizes is no other's default family
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
     from specquant_cli.settings import settings_table
 
     for s in settings_table().values():  # a developer's SPECQUANT_* settings do not reach the tests
@@ -53,6 +58,7 @@ def _isolate(monkeypatch, tmp_path_factory, selftest_cache):
     from specquant_cli import settings
 
     settings._resolved_debug.clear()  # what an earlier in-process command resolved
+    settings._resolved_models.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from specquant_cli.bench.stamp import markdown_lines
+
 from conftest import run_cli
 
 
@@ -19,6 +21,10 @@ def _ok(args, tmp_path):
     rep = json.loads(r.stdout)
     assert json.loads(out.read_text()) == rep and md.read_text().startswith("# ")
     assert rep["command"].startswith("specquant")  # this process's arguments (pytest's, in-process)
+    st = rep["stamp"]  # what makes the figures reproducible, in every report, at the top of every markdown
+    assert set(st) == {"specquant", "commit", "python", "llama_cpp_python", "cpu", "threads", "date", "command"}
+    assert st["command"] == rep["command"] and st["cpu"] and st["date"].endswith("+00:00")
+    assert md.read_text().split("\n")[3] == markdown_lines(st)[0]
     return rep, md.read_text(), r.stderr
 
 
@@ -84,6 +90,7 @@ def test_drafts_measures_agreement_step_and_perplexity(family_dir, tmp_path):
 
 def test_route_scores_a_prompt_set_per_category(family_dir, tmp_path):
     rep, md, _ = _ok(["route", "--family", str(family_dir), "--categories", "qa,code", "--limit", "3"], tmp_path)
+    assert rep["stamp"]["threads"] is None  # no model runs
     cats = [r["category"] for r in rep["rows"]]
     assert cats[0] == "short-factual" and set(cats[1:]) == {"qa", "code"}
     for r in rep["rows"]:

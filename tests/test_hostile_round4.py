@@ -267,7 +267,8 @@ def test_a_fault_condemns_the_build_and_names_the_retest(tmp_path, sig):
 def test_a_fault_then_a_kill_still_condemns_the_build(monkeypatch):
     from specquant_cli.backend import selftest
 
-    children = iter([(["f16"], -signal.SIGILL, ""), ([], -signal.SIGKILL, "")])  # BF16 faults, then Q4_0 is killed
+    # BF16 faults, then Q4_0 is killed (each child: types passed, return code, last stderr line, GPUs it decoded on)
+    children = iter([(["f16"], -signal.SIGILL, "", None), ([], -signal.SIGKILL, "", None)])
     monkeypatch.setattr(selftest, "_run_child", lambda todo, deadline: next(children))
     r = selftest.run(store=False)
     assert not r.ok and r.definitive and "SIGILL" in r.error and "BF16" in r.error

@@ -274,6 +274,8 @@ def test_without_usage_the_pieces_are_counted_and_extra_body_and_key_are_sent(fa
     assert all(q["output_tokens"] == 3 and q["tokens_from"] == "chunks" for q in rep["requests"])
     assert json.loads(out.read_text()) == rep
     assert "| TTFT | 2 |" in md.read_text() and "goodput" in md.read_text()
+    assert rep["stamp"]["command"] == rep["command"] and rep["stamp"]["threads"] is None  # the server's own
+    assert md.read_text().split("\n")[3].startswith(f"- run: specquant {rep['stamp']['specquant']}")
 
 
 def test_a_failed_request_is_recorded_and_ends_its_conversation(fake):

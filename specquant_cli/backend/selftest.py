@@ -4,7 +4,8 @@ A llama.cpp build compiled for the host (`-march=native`) can hold kernels that 
 on a VM that advertises an extension it does not run (ggml's AMX kernels: SIGILL on every Q4_0/Q8_0
 batch). A signal death is not an error a process can report, so the test runs in a child process: it
 writes a tiny llama model, quantizes it to each weight type the families use and decodes a multi-token
-batch then single steps through each, checking the logits are finite. The parent turns a death into one
+batch then single steps through each, checking the logits are finite; where the build has a GPU backend and a
+GPU is present, each type is decoded on the GPU too and must agree with the CPU. The parent turns a death into one
 line (which type, which signal, what to do).
 
 The result is cached per build and CPU (`$XDG_CACHE_HOME/specquant/selftest.json`, checked on read) and
@@ -58,6 +59,7 @@ class Result:
     definitive: bool = True  # a signal death or bad logits (cached); False: could not run (not cached)
     seconds: float = 0.0
     at: str = ""
+    gpu: Optional[str] = None  # the GPU backend devices each type was decoded on too (CUDA0, ...); None: CPU only
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -128,7 +130,7 @@ def cached(k: Optional[str] = None) -> Optional[Result]:
         return None  # a failure that says nothing about the build (an older version cached SIGKILL) is no verdict
     return Result(key=k, ok=e["ok"], types=dict(e["types"]), error=e.get("error"),
                   seconds=float(e.get("seconds", 0)) if isinstance(e.get("seconds"), (int, float)) else 0.0,
-                  at=str(e.get("at", "")))
+                  at=str(e.get("at", "")), gpu=e["gpu"] if isinstance(e.get("gpu"), str) else None)
 
 
 def _condemns(outcome: object) -> bool:
@@ -174,13 +176,13 @@ def _death_line(t: str, sig: int) -> str:
             f"{t.upper()} model in its self-test; {REBUILD_HINT}; then {RETEST} tests it again")
 
 
-def _run_child(types: list[str], deadline: float) -> tuple[list[str], Optional[int], str]:
+def _run_child(types: list[str], deadline: float) -> tuple[list[str], Optional[int], str, Optional[str]]:
     """One child over `types`. Returns the types it passed, its return code (negative: killed by that signal;
-    None: out of time) and the last line of its stderr."""
+    None: out of time), the last line of its stderr and the GPUs it decoded on too (None: CPU only)."""
     try:
         work_dir = tempfile.TemporaryDirectory(prefix="specquant-selftest-")
     except OSError as e:
-        return [], 1, f"cannot create a work folder ({e.strerror})"
+        return [], 1, f"cannot create a work folder ({e.strerror})", None
     try:
         with work_dir as work:
             cmd = [sys.executable, "-m", "specquant_cli.backend.selftest_child", work, *types]
@@ -188,10 +190,15 @@ def _run_child(types: list[str], deadline: float) -> tuple[list[str], Optional[i
                                env={**os.environ, CHILD_ENV: "1"}, timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return [ln.split()[1] for ln in out.splitlines() if ln.startswith("ok ")], None, ""
+        return [ln.split()[1] for ln in out.splitlines() if ln.startswith("ok ")], None, "", _gpu_of(out)
     passed = [ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("ok ") and len(ln.split()) == 2]
     last = next((ln.strip() for ln in reversed(p.stderr.splitlines()) if ln.strip()), "")
-    return passed, p.returncode, last
+    return passed, p.returncode, last, _gpu_of(p.stdout)
+
+
+def _gpu_of(out: str) -> Optional[str]:
+    return next((ln.split(None, 1)[1].strip() for ln in out.splitlines() if ln.startswith("gpu ") and ln[4:].strip()),
+                None)
 
 
 def run(types: tuple[str, ...] = TYPES, on_type: Optional[Callable[[str, str], None]] = None,
@@ -204,8 +211,10 @@ def run(types: tuple[str, ...] = TYPES, on_type: Optional[Callable[[str, str], N
     condemned: Optional[str] = None  # the first result that says the build cannot run here
     could_not: Optional[str] = None  # the first that says only that the test could not run
     todo = list(types)
+    gpu: Optional[str] = None
     while todo:
-        passed, rc, last = _run_child(todo, deadline)
+        passed, rc, last, gpu_seen = _run_child(todo, deadline)
+        gpu = gpu or gpu_seen
         for t in passed:
             results[t] = "ok"
             on_type and on_type(t, "ok")
@@ -229,8 +238,9 @@ def run(types: tuple[str, ...] = TYPES, on_type: Optional[Callable[[str, str], N
             todo = []
         elif last.startswith("bad logits"):
             results[t] = last
-            condemned = condemned or (f"this llama.cpp build gives wrong results on this CPU ({t.upper()}: {last}); "
-                                      f"{REBUILD_HINT}; then {RETEST} tests it again")
+            where = "GPU" if "on the GPU" in last else "CPU"
+            condemned = condemned or (f"this llama.cpp build gives wrong results on this {where} ({t.upper()}: "
+                                      f"{last}); {REBUILD_HINT}; then {RETEST} tests it again")
         else:
             results[t] = last or f"exit code {rc}"
             could_not = could_not or (f"the llama.cpp self-test could not run ({t.upper()}: "
@@ -239,7 +249,7 @@ def run(types: tuple[str, ...] = TYPES, on_type: Optional[Callable[[str, str], N
     # A fault anywhere condemns the build, whatever else could not run (a verdict the next command must hear).
     error, definitive = (condemned, True) if condemned else (could_not, could_not is None)
     r = Result(key=k, ok=error is None, types=results, error=error, definitive=definitive,
-               seconds=round(time.monotonic() - start, 2), at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+               seconds=round(time.monotonic() - start, 2), at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), gpu=gpu)
     if store and r.definitive:
         _store(r)
     return r

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from specquant_cli.bench.stamp import markdown_lines
+
 HOLDS = ("priced", "off")
 
 
@@ -111,7 +113,7 @@ def run(session, policies: Sequence[str], parallels: Sequence[int], holds: Seque
     return runs
 
 
-def report(runs: Sequence[BatchRun], config: dict, command: str, family) -> dict:
+def report(runs: Sequence[BatchRun], config: dict, stamp: dict, family) -> dict:
     """Per (B, policy, hold): the median aggregate tok/s over the repeats and its ratio to the parent's at that B
     (the hold priced), the batcher's rounds and held calls, drafted and kept tokens, identical answers."""
     rows = []
@@ -132,7 +134,7 @@ def report(runs: Sequence[BatchRun], config: dict, command: str, family) -> dict
         base = next((x for x in parents if x["hold"] == "priced"), parents[0] if parents else None)
         row["vs_parent"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3) if base and base["tokens_per_s"] \
             else None
-    return {"command": command, "family": {"name": family.name, "root": str(family.root),
+    return {"command": stamp["command"], "stamp": stamp, "family": {"name": family.name, "root": str(family.root),
                                            "parent": family.parent_rendering},
             "config": config, "rows": rows,
             "runs": [{"parallel": r.parallel, "policy": r.policy, "hold": r.hold, "repeat": r.repeat,
@@ -144,16 +146,23 @@ def report(runs: Sequence[BatchRun], config: dict, command: str, family) -> dict
 def markdown(rep: dict) -> str:
     c = rep["config"]
     lines = [f"# Requests decoding together: {rep['family']['name']} (parent {rep['family']['parent']})", "",
-             f"- command: `{rep['command']}`",
+             f"- command: `{rep['command']}`", *markdown_lines(rep.get("stamp")),
              f"- {c['max_tokens']} max tokens, greedy, {c['threads']} threads; one request per slot, all starting "
              "together; aggregate tok/s (medians" + (f" of {c['repeats']} runs" if c["repeats"] > 1 else "")
              + ")", "",
-             "| requests | policy | hold | tok/s | vs parent | wall s | rounds | held calls | drafted / kept | "
-             "identical | plans |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| requests | policy | hold | tok/s | × parent | wall s | rounds | held | drafted/kept | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep["rows"]:
         ident = "–" if r["identical"] is None else f"{r['identical']}/{r['answers']}"
         ratio = "–" if r["vs_parent"] is None else f"{r['vs_parent']:.2f}x"
         lines.append(f"| {r['parallel']} | {r['policy']} | {r['hold']} | {r['tokens_per_s']:.2f} | {ratio} | "
-                     f"{r['wall_s']:.1f} | {r['rounds']} | {r['held_calls']} | {r['drafted']} / {r['accepted']} | "
-                     f"{ident} | {', '.join(r['plans'])} |")
+                     f"{r['wall_s']:.1f} | {r['rounds']} | {r['held_calls']} | {r['drafted']}/{r['accepted']} | "
+                     f"{ident} |")
+    plans: dict[str, dict[str, list[int]]] = {}  # policy -> plan -> the numbers of requests it ran at
+    for r in rep["rows"]:
+        for p in r["plans"]:
+            plans.setdefault(r["policy"], {}).setdefault(p, []).append(r["parallel"])
+    lines += ["", "Plans each policy ran (at how many requests):"]
+    lines += [f"- {policy}: " + "; ".join(f"{p} ({', '.join(map(str, dict.fromkeys(bs)))})" for p, bs in ps.items())
+              for policy, ps in plans.items()]
     return "\n".join(lines) + "\n"

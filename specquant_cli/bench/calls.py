@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Optional
 
+from specquant_cli.bench.stamp import markdown_lines
 from specquant_cli.settings import SELFTEST_CHILD_ENV, child_env
 
 SIZES = (1, 2, 4, 8, 16)
@@ -25,11 +26,13 @@ PREFILL_TOKENS = 64
 CHILD_TIMEOUT_S = 1800.0
 
 
-def measure_model(path: str, sizes: Sequence[int], reps: int, position: int, threads: int) -> dict:
-    """In this process: {"call_s": {n: median seconds}, "prefill_token_s": s} of the model at `path`."""
+def measure_model(path: str, sizes: Sequence[int], reps: int, position: int, threads: int,
+                  n_gpu_layers: int = 0) -> dict:
+    """In this process: {"call_s": {n: median seconds}, "prefill_token_s": s} of the model at `path`, with
+    `n_gpu_layers` of its layers on the GPU (-1: all; a CPU build keeps them all here)."""
     from specquant_cli.backend.llama import Context, Model
 
-    with Model(path) as m:
+    with Model(path, n_gpu_layers=n_gpu_layers) as m:
         ctx = Context(m, n_ctx=max(512, position + max(sizes) + 8), n_batch=max(64, max(sizes)), n_threads=threads)
         try:
             vocab = max(2, m.n_vocab - 1)
@@ -57,15 +60,17 @@ def measure_model(path: str, sizes: Sequence[int], reps: int, position: int, thr
     return {"call_s": calls, "prefill_token_s": prefill}
 
 
-def measure(path: str, sizes: Sequence[int], reps: int, position: int, threads: int) -> dict:
-    """measure_model in a child process: its figures, or {"error": why} when the child failed or died."""
+def measure(path: str, sizes: Sequence[int], reps: int, position: int, threads: int, n_gpu_layers: int = 0,
+            timeout: float = CHILD_TIMEOUT_S) -> dict:
+    """measure_model in a child process: its figures, or {"error": why} when the child failed, died or took longer
+    than `timeout` seconds."""
     cmd = [sys.executable, "-m", "specquant_cli.bench.calls", path, ",".join(map(str, sizes)), str(reps),
-           str(position), str(threads)]
+           str(position), str(threads), str(n_gpu_layers)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                           env=child_env(**{SELFTEST_CHILD_ENV: "1"}), timeout=CHILD_TIMEOUT_S)
+                           env=child_env(**{SELFTEST_CHILD_ENV: "1"}), timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"no answer within {CHILD_TIMEOUT_S:.0f} s"}
+        return {"error": f"no answer within {timeout:.0f} s"}
     if p.returncode < 0:
         try:
             name = signal.Signals(-p.returncode).name
@@ -96,9 +101,9 @@ def run(family, roles: Sequence[str], sizes: Sequence[int] = SIZES, reps: int = 
 
 
 def report(family, curves: dict[str, dict], sizes: Sequence[int], reps: int, position: int, threads: int,
-           command: str, machine: dict) -> dict:
-    return {"command": command, "machine": machine, "family": {"name": family.name, "root": str(family.root),
-                                                               "parent": family.parent_rendering},
+           stamp: dict, machine: dict) -> dict:
+    return {"command": stamp["command"], "stamp": stamp, "machine": machine,
+            "family": {"name": family.name, "root": str(family.root), "parent": family.parent_rendering},
             "config": {"sizes": list(sizes), "reps": reps, "position": position, "threads": threads},
             "roles": {r: {**c, "call_s": {str(n): round(s, 6) for n, s in c.get("call_s", {}).items()}}
                       for r, c in curves.items()}}
@@ -109,7 +114,7 @@ def markdown(rep: dict) -> str:
     c = rep["config"]
     sizes = c["sizes"]
     lines = [f"# Call costs: {rep['family']['name']} (parent {rep['family']['parent']})", "",
-             f"- command: `{rep['command']}`",
+             f"- command: `{rep['command']}`", *markdown_lines(rep.get("stamp")),
              f"- ms per call (median of {c['reps']}), every row's logits, after {c['position']} positions; "
              f"{c['threads']} threads", "",
              "| role | type | " + " | ".join(f"{n} tok" for n in sizes) + f" | {sizes[-1]} tok / 1 tok | "
@@ -149,8 +154,9 @@ def plot(rep: dict, path) -> None:
 
 
 def _child(argv: list[str]) -> None:
-    path, sizes, reps, position, threads = argv
-    d = measure_model(path, [int(x) for x in sizes.split(",")], int(reps), int(position), int(threads))
+    path, sizes, reps, position, threads, n_gpu_layers = argv
+    d = measure_model(path, [int(x) for x in sizes.split(",")], int(reps), int(position), int(threads),
+                      int(n_gpu_layers))
     print(json.dumps({"call_s": {str(k): v for k, v in d["call_s"].items()}, "prefill_token_s": d["prefill_token_s"]}))
 
 

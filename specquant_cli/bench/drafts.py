@@ -25,6 +25,8 @@ from typing import Optional
 
 import numpy as np
 
+from specquant_cli.bench.stamp import markdown_lines
+
 WINDOW = 512
 CATEGORIES = "coding,math_reasoning,qa,translation,summarization,rag"
 
@@ -172,9 +174,10 @@ def measure_role(family, role: str, streams, cats, n_ctx: int, n_batch: int, gam
 def markdown(rep: dict) -> str:
     c = rep["config"]
     lines = [f"# Draft variants of {rep['family']} (parent {rep['parent']}; {rep['streams']} streams x "
-             f"{c['stream_tokens']} tokens, γ {c['gamma']})", "", f"- command: `{rep['command']}`", "",
-             f"| role | type | size | bits/weight | step ms | agreement | acceptance (γ={c['gamma']}) | tokens / "
-             "parent call | ppl |", "|---|---|---|---|---|---|---|---|---|"]
+             f"{c['stream_tokens']} tokens, γ {c['gamma']})", "", f"- command: `{rep['command']}`",
+             *markdown_lines(rep.get("stamp")), "",
+             f"| role | type | size | bpw | step ms | agreement | accept (γ={c['gamma']}) | tok/call | ppl |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rep["variants"]:
         bpw = "–" if r["bits_per_weight"] is None else f"{r['bits_per_weight']:.2f}"
         lines.append(f"| {r['role']} | {r['type']} | {r['size_bytes'] / 2**20:.0f} MiB | {bpw} | {r['step_ms']:.1f} | "

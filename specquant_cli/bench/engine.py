@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from specquant_cli.bench.stamp import markdown_lines
+
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring and two examples.",
     "Explain what a hash table is and how collisions are handled.",
@@ -157,7 +159,7 @@ def _micro(ctx, prefix: list[int], sizes, logits: str, reps: int = 5) -> dict[in
     return out
 
 
-def report(family, measured: dict, config: dict, command: str, machine: dict) -> dict:
+def report(family, measured: dict, config: dict, stamp: dict, machine: dict) -> dict:
     """Per configuration: mean tok/s, speedup over the parent, acceptance, mean accepted length, identical
     answers, the overhead over the in-run call time and over the cost model; the component costs."""
     results, cost = measured["results"], measured["cost"]
@@ -173,7 +175,7 @@ def report(family, measured: dict, config: dict, command: str, machine: dict) ->
                      "overhead_in_run": round(statistics.mean(r.total_s / r.decode_s - 1 for r in rs), 4),
                      "overhead_cost_model": round(statistics.mean(r.total_s / p - 1
                                                                   for r, p in zip(rs, predicted)), 4)})
-    return {"command": command, "machine": machine,
+    return {"command": stamp["command"], "stamp": stamp, "machine": machine,
             "family": {"name": family.name, "root": str(family.root), "parent": measured["parent"],
                        "provenance": family.provenance},
             "config": {**config, "prompts": measured["prompts"]}, "configs": rows,
@@ -185,9 +187,10 @@ def markdown(rep: dict) -> str:
     c = rep["config"]
     lines = [f"# Engine benchmark: {rep['family']['name']} (parent {rep['family']['parent']}), greedy, "
              f"{c['prompts']} prompts x {c['max_tokens']} new tokens", "", f"- command: `{rep['command']}`",
+             *markdown_lines(rep.get("stamp")),
              f"- provenance: {rep['family']['provenance']}", "",
-             "| config | tok/s | speedup | acceptance | mean accepted length | identical | overhead vs in-run call "
-             "time | overhead vs cost model |", "|---|---|---|---|---|---|---|---|"]
+             "| config | tok/s | × parent | accept | tok/call | identical | overhead in-run | overhead model |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rep["configs"]:
         acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
         lines.append(f"| {r['config']} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {acc} | "

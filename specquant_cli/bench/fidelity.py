@@ -100,13 +100,17 @@ def verify_batch_sizes(gamma: int, gamma_max: int) -> tuple[int, ...]:
     return tuple(sorted({2, gamma + 1, max(gamma_max, gamma) + 1})) + (0,)
 
 
-def measure_noise(ctx: Context, gamma: int, gamma_max: int) -> Noise:
-    """Decode each probe sequence one token at a time and in verifier-sized batches; compare row by row."""
+def measure_noise(ctx: Context, gamma: int, gamma_max: int,
+                  sequences: Optional[Sequence[Sequence[int]]] = None) -> Noise:
+    """Decode each probe sequence one token at a time and in verifier-sized batches; compare row by row. The probes
+    are NOISE_TEXTS tokenized, or `sequences` of token ids (a model without a real tokenizer)."""
     sizes = verify_batch_sizes(gamma, gamma_max)
     margins: list[float] = []
     logit_max = 0.0
-    for text in NOISE_TEXTS:
-        seq = ctx.model.tokenize(text, add_bos=ctx.model.add_bos())[:NOISE_TOKENS]
+    probes = sequences if sequences is not None else [ctx.model.tokenize(text, add_bos=ctx.model.add_bos())
+                                                      for text in NOISE_TEXTS]
+    for probe in probes:
+        seq = list(probe)[:NOISE_TOKENS]
         prompt, rest = seq[:NOISE_PREFIX], seq[NOISE_PREFIX:]
         single = [np.array(r, dtype=np.float64) for r in one_at_a_time(ctx, prompt, rest)]
         for size in sizes:

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from specquant_cli.bench.stamp import markdown_lines
+
 STREAM_MARK = 15  # A's pieces before B is sent
 A_MAX_TOKENS = 160
 B_MAX_TOKENS = 4
@@ -135,11 +137,11 @@ def _line(r: dict) -> str:
 def markdown(rep: dict) -> str:
     c = rep["config"]
     lines = [f"# A long prompt beside a running stream: {rep['family']} (parent {rep['parent']})", "",
-             f"- command: `{rep['command']}`",
+             f"- command: `{rep['command']}`", *markdown_lines(rep.get("stamp")),
              f"- serve --parallel 2 --policy {c['policy']}, {rep['threads']} threads; A counts to 200, after its "
              f"{STREAM_MARK}th piece B sends a ~{c['b_tokens']}-token prompt sharing nothing with A", "",
-             "| --prefill-chunk | B's TTFT s | A's gaps during B's prefill | largest gap s | mean gap s | "
-             "mean gap before s |", "|---|---|---|---|---|---|"]
+             "| chunk | B's TTFT s | A's gaps in B's prefill | max gap s | mean gap s | mean gap before s |",
+             "|---|---|---|---|---|---|"]
     for r in rep["rows"]:
         if "error" in r:
             lines.append(f"| {r['prefill_chunk']} | {r['error']} | | | | |")

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from specquant_cli.bench.fidelity import IDENTICAL, NEAR_TIE, UNEXPLAINED
 from specquant_cli.errors import InputError, SpecquantError
 from specquant_cli.fsutil import atomic_open, check_output_file, same_file, write_json_atomic, write_text_atomic
+
+REFERENCE = "parent-f16"  # the F16 rendering alone, beside a parent of another rendering: the speed users know
 
 
 def _mean(xs) -> Optional[float]:
@@ -24,10 +26,11 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
     for r in records:
         by[r.policy].append(r)
     base = _mean(r.tokens_per_s for r in by.get("parent", []))
+    base_sd = _repeat_sd(by.get("parent", []))
     base_dec = _mean(r.decode_tokens_per_s for r in by.get("parent", []))
     q4 = _mean(r.tokens_per_s for r in by.get("q4", []))  # the lossy alternative a user would otherwise run
     q4_dec = _mean(r.decode_tokens_per_s for r in by.get("q4", []))
-    f16 = _mean(r.tokens_per_s for r in by.get("parent-f16", []))  # the F16 parent beside a BF16 one
+    f16 = _mean(r.tokens_per_s for r in by.get(REFERENCE, []))  # the F16 parent beside a BF16 one
     out = []
     for p in policies:
         rs = by.get(p, [])
@@ -35,6 +38,7 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
             continue
         tps = _mean(r.tokens_per_s for r in rs)
         dec = _mean(r.decode_tokens_per_s for r in rs)
+        sd = _repeat_sd(rs)
         imports = [r.kv_import for r in rs if r.kv_import is not None]
         drafted, accepted = sum(r.drafted for r in rs), sum(r.accepted for r in rs)
         new, calls = sum(r.new_tokens for r in rs), sum(r.parent_calls for r in rs)
@@ -43,9 +47,15 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
         correct = [r.correct for r in rs if r.correct is not None]
         structured = [r for r in rs if getattr(r, "structured", False)]
         valid = [r.valid for r in structured if r.valid is not None]
+        predicted = [r for r in rs if getattr(r, "predicted", False)]
         out.append({
             "policy": p, "prompts": len(rs), "lossy": any(r.lossy for r in rs),
             "tokens_per_s": round(tps, 3), "speedup": round(tps / base, 4) if base else None,
+            # with --repeats: the spread of the policy's mean tok/s over the repeats, and of its speedup (the two
+            # spreads combined, as hyperfine does); None with one run
+            "tokens_per_s_sd": None if sd is None else round(sd, 3),
+            "speedup_sd": round(_ratio_sd(tps, sd, base, base_sd), 4) if base and sd is not None and base_sd
+            is not None else None,
             "decode_tokens_per_s": round(dec, 3), "decode_speedup": round(dec / base_dec, 4) if base_dec else None,
             "q4_share": round(tps / q4, 4) if q4 else None,
             "f16_speedup": round(tps / f16, 4) if f16 else None,
@@ -77,8 +87,27 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
             "finished": len(valid), "structured": len(structured),
             "forced_share": round(sum(r.forced_accepted for r in structured) / new, 4) if new and structured
             else None,
+            # Predicted Outputs: the items sent with a prediction, its tokens the parent kept and those it did not
+            "predicted": len(predicted),
+            "prediction_accepted": sum(r.prediction_accepted for r in predicted) if predicted else None,
+            "prediction_rejected": sum(r.prediction_rejected for r in predicted) if predicted else None,
         })
     return out
+
+
+def _repeat_sd(rs: Sequence) -> Optional[float]:
+    """The standard deviation, over the repeats, of the mean tok/s of `rs` (one policy's records) in each repeat;
+    None with fewer than two repeats."""
+    runs = [r.repeat_tokens_per_s for r in rs]
+    n = min((len(x) for x in runs), default=0)
+    if n < 2:
+        return None
+    return statistics.stdev(statistics.mean(x[k] for x in runs) for k in range(n))
+
+
+def _ratio_sd(a: float, sd_a: float, b: float, sd_b: float) -> float:
+    """The standard deviation of a / b from those of a and b (first-order error propagation)."""
+    return (a / b) * ((sd_a / a) ** 2 + (sd_b / b) ** 2) ** 0.5 if a and b else 0.0
 
 
 def _levels(rs: Sequence, drafted: int, accepted: int) -> Optional[dict]:
@@ -130,23 +159,16 @@ def _fmt(v, pct=False, x=False) -> str:
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
-COLUMNS = ("policy", "tok/s", "speedup", "decode speedup", "share of q4", "× F16 parent", "identical",
-           "identical / near-tie / unexplained", "valid", "forced",
-           "acceptance", "accepted/call", "draft ms/token", "low/med/high", "accuracy", "draft/verify/prefill",
-           "peak RSS")
-
-
 def _fidelity_cell(counts: Optional[dict]) -> str:
     if counts is None:
         return "–"
     return f"{counts['identical']}/{counts['near_tie']}/{counts['unexplained']}"
 
 
-def _q4_cell(s: dict) -> str:
-    """A lossless policy's speed as a share of `q4` alone's (the lossy alternative), end to end / decode phase."""
-    if s["lossy"] or s.get("q4_share") is None:
-        return "–"
-    return f"{s['q4_share']:.0%} / {s['q4_decode_share']:.0%}" if s.get("q4_decode_share") else f"{s['q4_share']:.0%}"
+def _q4_cell(key: str) -> Callable[[dict], str]:
+    """A lossless policy's speed as a share of `q4` alone's (the lossy alternative): end to end (`q4_share`) or in
+    the decode phase (`q4_decode_share`)."""
+    return lambda s: "–" if s["lossy"] or s.get(key) is None else f"{s[key]:.0%}"
 
 
 def _valid_cell(s: dict) -> str:
@@ -157,37 +179,153 @@ def _valid_cell(s: dict) -> str:
     return f"{_fmt(s['valid_rate'], pct=True)}" + (f" ({cut} cut)" if cut else "")
 
 
-def rows(summary: list[dict]) -> list[list[str]]:
-    out = []
-    for s in summary:
-        t, sp = s["tiers"], s["time_split"]
-        out.append([s["policy"] + (" (lossy)" if s["lossy"] else ""), _fmt(s["tokens_per_s"]),
-                    _fmt(s["speedup"], x=True), _fmt(s.get("decode_speedup"), x=True), _q4_cell(s),
-                    _fmt(s.get("f16_speedup"), x=True),
-                    _fmt(s["identical_rate"], pct=True), _fidelity_cell(s.get("fidelity")),
-                    _valid_cell(s), _fmt(s.get("forced_share"), pct=True),
-                    _fmt(s["acceptance_rate"], pct=True), _fmt(s["mean_accepted_length"]),
-                    _fmt(s.get("draft_ms_per_token")),
-                    f"{t['low']:.0%}/{t['medium']:.0%}/{t['high']:.0%}",
-                    f"{_fmt(s['accuracy'], pct=True)} (n={s['accuracy_n']})" if s["accuracy_n"] else "–",
-                    f"{sp['draft']:.0%}/{sp['verify']:.0%}/{sp['prefill']:.0%}", f"{s['peak_rss_mb']:.0f} MB"])
-    return out
+def _accuracy_cell(s: dict) -> str:
+    """Right answers of the items with a reference."""
+    return f"{round(s['accuracy'] * s['accuracy_n'])}/{s['accuracy_n']}" if s.get("accuracy_n") else "–"
 
 
-def rich_table(summary: list[dict], title: str):
+def _prediction_cell(s: dict) -> str:
+    """The predictions' tokens the parent kept / those it verified and did not keep (accepted / rejected)."""
+    return f"{s['prediction_accepted']}/{s['prediction_rejected']}" if s.get("predicted") else "–"
+
+
+def _peak_cell(s: dict) -> str:
+    return f"{s['peak_rss_mb'] / 1024:.1f}G"  # GiB, as ls -h and top write it
+
+
+def _tiers_cell(s: dict) -> str:
+    t = s["tiers"]
+    return f"{t['low']:.0%}/{t['medium']:.0%}/{t['high']:.0%}"
+
+
+def _split_cell(s: dict) -> str:
+    sp = s["time_split"]
+    return f"{sp['draft']:.0%}/{sp['verify']:.0%}/{sp['prefill']:.0%}"
+
+
+class Column(NamedTuple):
+    """A column of the policy table: its header, its cell for one policy's summary, and when it shows: always (no
+    `holds`, not `wide`), when some row holds its data (`holds`), or with --wide only (`wide`). --wide shows all."""
+
+    header: str
+    cell: Callable[[dict], str]
+    holds: Optional[Callable[[dict], bool]] = None
+    wide: bool = False
+
+
+def _has(key: str) -> Callable[[dict], bool]:
+    return lambda s: s.get(key) is not None
+
+
+COLUMNS = (
+    Column("policy", lambda s: s["policy"] + (" (lossy)" if s["lossy"] else "")),
+    Column("tok/s", lambda s: _fmt(s["tokens_per_s"])),
+    Column("± sd", lambda s: _fmt(s.get("tokens_per_s_sd")), holds=_has("tokens_per_s_sd")),  # --repeats > 1
+    Column("× parent", lambda s: _fmt(s["speedup"], x=True)),
+    Column("decode", lambda s: _fmt(s.get("decode_speedup"), x=True)),  # the speedup after the parent's prefill
+    Column("× F16", lambda s: _fmt(s.get("f16_speedup"), x=True), holds=_has("f16_speedup")),  # parent-f16 ran
+    Column("of q4", _q4_cell("q4_share"), holds=_has("q4_share")),  # q4 ran
+    Column("of q4 decode", _q4_cell("q4_decode_share"), wide=True),
+    Column("identical", lambda s: _fmt(s["identical_rate"], pct=True), wide=True),
+    Column("ident/tie/unexpl", lambda s: _fidelity_cell(s.get("fidelity"))),  # against the parent's answers
+    Column("valid", _valid_cell, holds=lambda s: bool(s.get("structured"))),  # structured items ran
+    Column("forced", lambda s: _fmt(s.get("forced_share"), pct=True), holds=lambda s: bool(s.get("structured"))),
+    Column("prediction acc/rej", _prediction_cell, holds=lambda s: bool(s.get("predicted"))),  # predictions sent
+    Column("accept", lambda s: _fmt(s["acceptance_rate"], pct=True)),
+    Column("tok/call", lambda s: _fmt(s["mean_accepted_length"])),  # tokens per parent call
+    Column("draft ms/tok", lambda s: _fmt(s.get("draft_ms_per_token")), wide=True),
+    Column("low/med/high", _tiers_cell, wide=True),
+    Column("accuracy", _accuracy_cell, holds=lambda s: bool(s.get("accuracy_n"))),  # items with references
+    Column("draft/verify/prefill", _split_cell, wide=True),
+    Column("peak", _peak_cell),  # the policy's peak resident size
+)
+
+
+def columns(summary: Sequence[dict], wide: bool = False) -> list[Column]:
+    """The columns a table of `summary` shows: the default ones and each conditional one some row holds data for;
+    every column when `wide`."""
+    return [c for c in COLUMNS
+            if wide or (not c.wide and (c.holds is None or any(c.holds(s) for s in summary)))]
+
+
+def rows(summary: Sequence[dict], cols: Optional[Sequence[Column]] = None) -> list[list[str]]:
+    """A row of cells per policy, under `cols` (default: `columns(summary)`)."""
+    cols = columns(summary) if cols is None else cols
+    return [[c.cell(s) for c in cols] for s in summary]
+
+
+def rich_table(summary: list[dict], title: str, wide: bool = False):
+    """The policy table for the terminal: compact (no vertical rules, one space between columns), every cell on one
+    line; the default columns fit 100 columns for a typical run."""
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=title)
-    for c in COLUMNS:
-        t.add_column(c, justify="left" if c == "policy" else "right")
-    for r in rows(summary):
+    t = Table(title=title, box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+    cols = columns(summary, wide)
+    for c in cols:
+        t.add_column(c.header, justify="left" if c.header == "policy" else "right", no_wrap=True)
+    for r in rows(summary, cols):
         t.add_row(*r)
     return t
 
 
+def whole(console, table):
+    """`table` rendered at the width it takes with every cell whole, wider than `console` when it must be (a --wide
+    table is never cut; a console that soft-wraps prints the lines as they are)."""
+    from rich.segment import Segments
+
+    width = console.measure(table, options=console.options.update_width(1 << 14)).maximum
+    return Segments(console.render(table, console.options.update_width(width)))
+
+
+def verdict(summary: Sequence[dict]) -> Optional[str]:
+    """One line under the table, as hyperfine ends: the fastest lossless policy against the parent (± the spread
+    with --repeats, the decode phase, its answers against the parent's), and any lossy policy faster than it, said
+    to be lossy. None when nothing but the parent ran."""
+    by = {s["policy"]: s for s in summary}
+    if "parent" not in by:
+        return None
+    others = [s for s in summary if s["policy"] not in ("parent", REFERENCE) and s.get("speedup") is not None]
+    lossless = [s for s in others if not s["lossy"]]
+    if not others:
+        return None
+    if not lossless:
+        best = max(others, key=lambda s: s["speedup"])
+        return f"{best['policy']} ran {_times(best)} as fast as parent, but is lossy (its answers are not the parent's)"
+    best = max(lossless, key=lambda s: s["speedup"])
+    line = f"{best['policy']} ran {_times(best)} as fast as parent"
+    if best.get("decode_speedup") is not None:
+        line += f" (decode {best['decode_speedup']:.2f}x)"
+    f = best.get("fidelity")
+    if f:
+        judged = f["identical"] + f["near_tie"] + f["unexplained"]
+        line += f", {f['identical']}/{judged} answers identical"
+        line += "".join(f", {f[k]} {name}" for k, name in (("near_tie", "near-tie"), ("unexplained", "unexplained"))
+                        if f[k])
+    else:
+        line += ", answers not judged against the parent's"
+    faster = [s for s in others if s["lossy"] and s["speedup"] > best["speedup"]]
+    line += "".join(f"; {s['policy']} ran {_times(s)} but is lossy" for s in faster)
+    return line
+
+
+def _times(s: dict) -> str:
+    if s.get("speedup_sd") is not None:
+        return f"{s['speedup']:.2f} ± {s['speedup_sd']:.2f}x"
+    return f"{s['speedup']:.2f}x"
+
+
+def _md_table(summary: Sequence[dict], wide: bool = False) -> list[str]:
+    cols = columns(summary, wide)
+    return (["| " + " | ".join(c.header for c in cols) + " |", "|" + "---|" * len(cols)]
+            + ["| " + " | ".join(r) + " |" for r in rows(summary, cols)])
+
+
 def markdown(report: dict) -> str:
+    from specquant_cli.bench.stamp import markdown_lines
+
     lines = [f"# specquant bench: {report['family']['name']}", "",
-             f"- command: `{report['command']}`",
+             f"- command: `{report['command']}`", *markdown_lines(report.get("stamp")),
              f"- {report['config']['items']} prompts × {len(report['config']['policies'])} policies, "
              f"{report['config']['max_tokens']} new tokens, temperature {report['config']['temperature']}, "
              f"repeats {report['config']['repeats']}",
@@ -196,14 +334,15 @@ def markdown(report: dict) -> str:
              f"{', '.join(g['name'] for g in report['machine']['gpus']) or 'none'}",
              f"- provenance: {report['family']['provenance']}",
              f"- caveat: {report['family']['caveat']}",
-             f"- fidelity: {noise_line(report.get('fidelity'))}", "", "## All prompts", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows(report["summary"])]
+             f"- fidelity: {noise_line(report.get('fidelity'))}", "", "## All prompts", ""]
+    lines += _md_table(report["summary"])
+    if report.get("verdict"):
+        lines += ["", report["verdict"]]
     lines += levels_lines(report["summary"])
     lines += divergence_table(report.get("fidelity"))
     for cat, summ in report["by_category"].items():
-        lines += ["", f"## {cat}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows(summ)]
+        lines += ["", f"## {cat}", ""] + _md_table(summ)
+    lines += ["", "## All prompts, every column", ""] + _md_table(report["summary"], wide=True)
     return "\n".join(lines) + "\n"
 
 

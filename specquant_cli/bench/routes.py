@@ -8,6 +8,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
+from specquant_cli.bench.stamp import markdown_lines
 from specquant_cli.names import TIERS
 
 # Short factual questions, scored as a category of their own beside the prompt set's.
@@ -34,6 +35,7 @@ def score(router, items: Sequence, factual: bool = True) -> list[dict]:
 
 def markdown(rep: dict) -> str:
     lines = [f"# Router scores: {rep['config']['datasets']}", "", f"- command: `{rep['command']}`",
+             *markdown_lines(rep.get("stamp")),
              f"- thresholds: low < {rep['thresholds']['low_max']} <= medium < {rep['thresholds']['medium_max']} <= "
              "high", "", "| category | n | score min | median | max | " + " | ".join(TIERS) + " |",
              "|---|---|---|---|---|" + "---|" * len(TIERS)]

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Optional
 
+from specquant_cli.bench.stamp import markdown_lines
+
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, with a docstring and two examples.",
     "Explain what a hash table is and how collisions are handled.",
@@ -198,7 +200,8 @@ def markdown(rep: dict) -> str:
     c = rep["config"]
     lines = [f"# RPC parent: {rep['family']} (parent {rep['parent']}), {c['max_tokens']} tokens x {c['prompts']} "
              f"prompts, workers with {c['worker_threads']} thread(s), loopback", "", f"- command: `{rep['command']}`",
-             "", "| parent on | " + " | ".join(f"{n}-token call ms" for n in BATCHES) + " | parent tok/s |",
+             *markdown_lines(rep.get("stamp")), "",
+             "| parent on | " + " | ".join(f"{n}-token call ms" for n in BATCHES) + " | parent tok/s |",
              "|---|" + "---:|" * (len(BATCHES) + 1)]
     for name, r in rep["placements"].items():
         lines.append(f"| {name} | " + " | ".join(f"{r['call_ms'][n]:.1f}" for n in BATCHES)

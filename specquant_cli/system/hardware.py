@@ -78,6 +78,27 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> dict[str, bool]:
     return {k: False for k in CPU_FLAGS}
 
 
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's name as the kernel gives it (x86 `model name`, else an ARM board's `Hardware` or `Model`), else
+    what Python's platform module knows ("unknown" when nothing does)."""
+    import platform
+
+    found: dict[str, str] = {}
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                key = key.strip()
+                if sep and value.strip() and key in ("model name", "Hardware", "Model") and key not in found:
+                    found[key] = value.strip()
+    except OSError:
+        pass
+    for key in ("model name", "Hardware", "Model"):
+        if key in found:
+            return found[key]
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def detect(nvml=None) -> Facts:
     import psutil
 

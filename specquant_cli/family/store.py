@@ -1,0 +1,326 @@
+"""Families by name: `--family NAME` finds a family pulled or quantized earlier wherever a command runs, `list` shows
+every one known, and a command that names none runs the default one.
+
+A family is a folder (family.manifest); a name is its folder's name. A name is looked up, in this order, in:
+
+1. `./models` of the current folder (a specquant checkout's, where its scripts pull: a checkout's own families come
+   first there);
+2. the models folder (the `runtime.models` setting; by default specquant's user data folder,
+   `~/.local/share/specquant/models`): families made there, one sub-folder each;
+3. the models folder's index (`families.json`): families pulled or quantized elsewhere (a checkout's `./models`, a
+   folder given to quantize), name -> absolute folder, and the default family.
+
+Where a new family is made (`destination`): the models folder when the setting names one; else `./models` when it
+is a checkout's (the current folder holds specquant_cli/, or ./models already holds a family), so that a checkout's
+`models/…` paths keep working; else the models folder. Either way pull and quantize add it to the index
+(`remember`), so every command finds it by name from any folder.
+
+The default family (`default_family`), when nothing names one: the index's default (the family pulled or quantized
+last); else, of the families known, the one made last (its manifest written last). The test family (TEST_FAMILY:
+the set-up scripts pull it on every run) is never the default while another family is known: pull and quantize do
+not record it as the default then, and one recorded earlier gives way. Name it (`--family`, SPECQUANT_FAMILY,
+`[runtime] family`) to run it.
+
+Nothing on disk is trusted: an index that is no JSON object of ours is a warning and is replaced by the next record,
+an entry that is no family name and absolute folder, or whose folder holds no family, is skipped, and the index is
+written atomically under a lock (flock on `.families.lock`)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from specquant_cli.errors import FamilyError
+from specquant_cli.fsutil import write_json_atomic
+from specquant_cli.names import MANIFEST
+
+INDEX = "families.json"  # in the models folder
+INDEX_LOCK = ".families.lock"
+LOCAL = "models"  # a checkout's models folder, in the current folder
+TEST_FAMILY = "smollm2-135m"  # family.fetch's small family for tests and the quick demo
+SCHEMA = 1
+MAX_INDEX_BYTES = 1 << 20  # an index is a line per family
+LOCK_WAIT_S = 10.0  # the longest wait for the index's lock
+WHERE = ("./models", "models folder", "index")  # Known.where, in the order a name is looked up
+
+Warn = Callable[[str], None]
+
+
+def _silent(text: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Known:
+    """A family found by name: its name, its folder (absolute), and where it was found (one of WHERE)."""
+
+    name: str
+    root: Path
+    where: str
+
+
+@dataclass
+class Index:
+    """The models folder's index: name -> absolute family folder, and the default family's folder (None: none)."""
+
+    families: dict[str, Path] = field(default_factory=dict)
+    default: Optional[Path] = None
+
+
+def is_name(ref) -> bool:
+    """`ref` (a --family value) is a plain name: one path component, no folder of its own ('.', '..')."""
+    text = str(ref)
+    return bool(text) and "/" not in text and os.sep not in text and text not in (".", "..") and "\0" not in text
+
+
+def is_family(folder: Path) -> bool:
+    """`folder` holds a manifest (whether it checks out is Family.load's to say)."""
+    try:
+        return os.path.lexists(Path(folder) / MANIFEST)
+    except (OSError, ValueError):
+        return False
+
+
+def _absolute(folder: Path) -> Path:
+    return Path(os.path.abspath(folder))
+
+
+def _families_in(folder: Optional[Path]) -> list[tuple[str, Path]]:
+    """(name, folder) of each family folder directly in `folder`, by name (hidden work folders skipped)."""
+    if folder is None:
+        return []
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return []
+    return [(e.name, _absolute(Path(e.path))) for e in entries
+            if not e.name.startswith(".") and _is_dir(e) and is_family(Path(e.path))]
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def current_folder() -> Optional[Path]:
+    """The current folder (None when it was removed)."""
+    try:
+        return Path.cwd()
+    except OSError:
+        return None
+
+
+def local_models(cwd: Optional[Path]) -> Optional[Path]:
+    """./models of `cwd` when it is a folder (None without a current folder)."""
+    if cwd is None:
+        return None
+    folder = Path(cwd) / LOCAL
+    return folder if folder.is_dir() else None
+
+
+def is_checkout(cwd: Optional[Path]) -> bool:
+    """`cwd` is a specquant checkout (its package folder is there)."""
+    return cwd is not None and (Path(cwd) / "specquant_cli" / "__init__.py").is_file()
+
+
+def destination(store: Optional[Path], cwd: Optional[Path], store_given: bool) -> Path:
+    """The folder a new family is made in (see the module's docstring): the models folder when `store_given`
+    (the setting was set), else a checkout's ./models (a relative path: `models/NAME`, as before), else the
+    models folder. FamilyError when there is neither (no home folder)."""
+    if not store_given:
+        local = local_models(cwd)
+        if (local is not None and _families_in(local)) or is_checkout(cwd):
+            return Path(LOCAL)
+    if store is None:
+        raise FamilyError("no models folder: there is no home folder; set SPECQUANT_MODELS (or [runtime] models "
+                          "in specquant.toml) to a folder for families")
+    return store
+
+
+# -- the index -------------------------------------------------------------------------------------------------------
+def read_index(store: Optional[Path], warn: Warn = _silent) -> Index:
+    """The models folder's index, its usable entries only; an index that cannot be used is a warning (`warn`) and
+    reads as empty."""
+    if store is None:
+        return Index()
+    path = Path(store) / INDEX
+    try:
+        data = _read_object(path)
+    except FileNotFoundError:
+        return Index()
+    except (OSError, ValueError) as e:
+        warn(f"{path}: ignored the index of families ({getattr(e, 'strerror', None) or e}); the next pull or "
+             "quantize writes it again")
+        return Index()
+    families = data.get("families")
+    index = Index()
+    for name, folder in (families.items() if isinstance(families, dict) else ()):
+        if is_name(name) and isinstance(folder, str) and "\0" not in folder and os.path.isabs(folder):
+            index.families[name] = Path(folder)
+    default = data.get("default")
+    if isinstance(default, str) and "\0" not in default and os.path.isabs(default):
+        index.default = Path(default)
+    return index
+
+
+def _read_object(path: Path) -> dict:
+    """A JSON object of ours from a regular file (no link), at most MAX_INDEX_BYTES; ValueError/OSError else."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("not a regular file")
+    if st.st_size > MAX_INDEX_BYTES:
+        raise ValueError(f"{st.st_size} bytes, too large for an index")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 at byte {e.start}") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ValueError("not an index of families (schema 1)")
+    return data
+
+
+@contextlib.contextmanager
+def _locked(store: Path) -> Iterator[None]:
+    """Hold the index's lock (flock: the kernel drops it when its holder dies), waiting at most LOCK_WAIT_S for it
+    (a holder keeps it for one read and write; OSError past that: a stopped process holds it); the folder is made
+    when missing."""
+    store.mkdir(parents=True, exist_ok=True)
+    fd = os.open(store / INDEX_LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o666)
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OSError(errno.EWOULDBLOCK, f"another process holds {INDEX_LOCK}") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remember(store: Path, root: Path, cwd: Optional[Path], default: bool = True) -> bool:
+    """Add the family at `root` to the index under its folder's name, and make it the default family when
+    `default` — unless it is the test family and another family is known. Entries whose folder holds no family
+    any more are dropped. Returns whether it is the default now. OSError when the index cannot be written."""
+    root = _absolute(root)
+    with _locked(Path(store)):
+        index = read_index(store)
+        index.families = {n: f for n, f in index.families.items() if is_family(f) and f != root}
+        index.families[root.name] = root
+        real = os.path.realpath(root)
+        others = [k for k in known(store, cwd, index) if os.path.realpath(k.root) != real]
+        if default and not (root.name == TEST_FAMILY and others):
+            index.default = root
+        if index.default is not None and not is_family(index.default):
+            index.default = None
+        write_json_atomic(Path(store) / INDEX, {
+            "schema": SCHEMA, "default": str(index.default) if index.default else None,
+            "families": {n: str(f) for n, f in sorted(index.families.items())}})
+        return index.default == root
+
+
+# -- finding families ------------------------------------------------------------------------------------------------
+def known(store: Optional[Path], cwd: Optional[Path], index: Optional[Index] = None,
+          warn: Warn = _silent) -> list[Known]:
+    """Every family found: ./models, the models folder, the index (WHERE), each folder once (the first place that
+    names it)."""
+    index = read_index(store, warn) if index is None else index
+    found: list[Known] = []
+    seen: set[str] = set()
+    places = (_families_in(local_models(cwd)), _families_in(store),
+              [(n, f) for n, f in sorted(index.families.items()) if is_family(f)])
+    for where, pairs in zip(WHERE, places):
+        for name, folder in pairs:
+            real = os.path.realpath(folder)
+            if real not in seen:
+                seen.add(real)
+                found.append(Known(name, folder, where))
+    return found
+
+
+def find(name: str, store: Optional[Path], cwd: Optional[Path], warn: Warn = _silent) -> Optional[Path]:
+    """The folder of the family named `name` (the first in WHERE's order), or None."""
+    for k in known(store, cwd, warn=warn):
+        if k.name == name:
+            return k.root
+    return None
+
+
+def locate(ref: Path, store: Optional[Path], cwd: Optional[Path], warn: Warn = _silent) -> Path:
+    """The folder a --family value names: a folder holding a family, as given; else a plain name found by `find`;
+    else, for a plain name that is no folder here either, FamilyError naming the families known; else the path as
+    given (Family.load says what is wrong with it)."""
+    ref = Path(ref)
+    if is_family(ref) or not is_name(ref):
+        return ref
+    found = find(str(ref), store, cwd, warn)
+    if found is not None:
+        return found
+    if os.path.lexists(ref):
+        return ref
+    names = sorted({k.name for k in known(store, cwd)})
+    have = f"known: {', '.join(names)} (specquant list)" if names else "none is pulled yet"
+    raise FamilyError(f"no model family named {str(ref)!r} ({have}); fetch one with: specquant pull NAME "
+                      f"({', '.join(_demo_names())}), or make one with: specquant quantize FILE --family NAME")
+
+
+def target(ref: Optional[Path], name: str, store: Optional[Path], cwd: Optional[Path], store_given: bool) -> Path:
+    """The folder quantize makes a family in (or adds to): `ref` (its --family) when it is a folder here or a path;
+    a plain name: the family of that name (`find`), else a new folder of that name in the `destination`; none: a
+    new folder `name` (the base's) there."""
+    if ref is not None and (Path(ref).is_dir() or not is_name(ref)):
+        return Path(ref)
+    if ref is not None:
+        found = find(str(ref), store, cwd)
+        if found is not None:
+            return found
+    return destination(store, cwd, store_given) / (str(ref) if ref is not None else name)
+
+
+def _demo_names() -> list[str]:
+    from specquant_cli.family.fetch import FAMILIES
+
+    return list(FAMILIES)
+
+
+def made_at(root: Path) -> int:
+    """When the family's manifest was last written (ns; 0 when it cannot be read)."""
+    try:
+        return os.lstat(Path(root) / MANIFEST).st_mtime_ns
+    except OSError:
+        return 0
+
+
+def default_family(store: Optional[Path], cwd: Optional[Path], warn: Warn = _silent) -> tuple[Path, str]:
+    """The default family's folder and why it is the one (see the module's docstring); FamilyError when no family
+    is known."""
+    index = read_index(store, warn)
+    fams = known(store, cwd, index)
+    if not fams:
+        where = ", ".join([f"./{LOCAL}", *([str(store)] if store is not None else [])])
+        raise FamilyError(f"no model family found (none in {where}); fetch the test family with: specquant pull "
+                          f"{TEST_FAMILY} (or {', '.join(n for n in _demo_names() if n != TEST_FAMILY)})")
+    others = [k for k in fams if k.name != TEST_FAMILY]
+    recorded = index.default
+    if recorded is not None and is_family(recorded) and not (recorded.name == TEST_FAMILY and others):
+        return recorded, "pulled or quantized last"
+    if len(fams) == 1:
+        return fams[0].root, "the only family found"
+    pick = max(others or fams, key=lambda k: (made_at(k.root), k.name))
+    return pick.root, "made last" + (f"; {TEST_FAMILY} is the test family, run only when named" if others else "")
