@@ -9,8 +9,9 @@ from __future__ import annotations
 import sys
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand
 
+from specquant_cli.commands.options import SpecquantGroup
 from specquant_cli.errors import SpecquantError
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_CLOSED_PIPE = 1, 2, 130, 141
@@ -23,7 +24,7 @@ def _debug() -> bool:
     return debug()
 
 
-class _Group(TyperGroup):
+class _Group(SpecquantGroup):
     """Translate the exception family once, at the edge. SPECQUANT_DEBUG=1 re-raises."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -85,9 +86,13 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
+HELP = ("Faster local LLMs, same answers: a quantized family drafts, the parent verifies, planned from this "
+        "machine's measured costs.\n\n"
+        "Start with: specquant pull qwen2.5-coder-1.5b, then specquant chat --stats or specquant serve. "
+        "docs/README.md")
 app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
-                  help="specquant: quantized families, complexity routing and lossless speculative decoding.")
+                  help=HELP)
 
 
 def _version(value: bool) -> None:
@@ -106,7 +111,17 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(_: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version and exit")) -> None:
-    """specquant: quantized families, complexity routing and lossless speculative decoding."""
+    """Faster local LLMs, same answers."""
+
+
+# The top-level help's panels, in order: what a user runs first, then the models, then the rest.
+PANELS = {
+    "Run": ("chat", "serve"),
+    "Models": ("pull", "list", "quantize", "calibrate-activations"),
+    "Inspect": ("doctor", "route"),
+    "Measure": ("calibrate", "bench"),
+    "Cluster": ("worker",),
+}
 
 
 def _register() -> None:
@@ -122,9 +137,29 @@ def _register() -> None:
         serve,
         worker,
     )
+    from specquant_cli.commands import list as list_command
+    from specquant_cli.commands.options import SpecquantCommand, settings_epilog
 
-    for mod in (pull, quantize, calibrate_activations, doctor, route, calibrate, chat, bench, serve, worker):
+    for mod in (chat, serve, pull, list_command, quantize, calibrate_activations, doctor, route, calibrate, bench,
+                worker):
         mod.register(app)
+    panel_of = {name: panel for panel, names in PANELS.items() for name in names}
+    order = list(panel_of)
+    app.registered_commands.sort(key=lambda c: order.index(c.name) if c.name in order else len(order))
+    for info in _commands(app):
+        if info.cls in (None, TyperCommand):
+            info.cls = SpecquantCommand
+        if info.epilog is None and getattr(info.callback, "settings_keys", None):
+            info.epilog = settings_epilog(info.callback.settings_keys)
+    for info in [*app.registered_commands, *app.registered_groups]:  # the top level's panels
+        info.rich_help_panel = None if getattr(info, "hidden", False) else panel_of.get(info.name)
+
+
+def _commands(typer_app: typer.Typer):
+    """Every command of `typer_app` and of its groups (bench's subcommands)."""
+    yield from typer_app.registered_commands
+    for group in typer_app.registered_groups:
+        yield from _commands(group.typer_instance)
 
 
 _register()

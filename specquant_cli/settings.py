@@ -6,8 +6,8 @@ included (threads from its cores; serve's parallel sequences from its calibratio
 `Settings` down; below the edge nothing reads the environment or changes a setting in place.
 
 This module is also the only reader of the environment: the settings' variables, `XDG_CACHE_HOME`
-(`cache_home`), `COLUMNS` (`columns`) and the self-test's internal variables (`INTERNAL_ENV`, through `env`).
-It imports nothing of the package at load.
+(`cache_home`), `XDG_DATA_HOME` (`data_home`), `COLUMNS` (`columns`) and the self-test's internal variables
+(`INTERNAL_ENV`, through `env`). It imports nothing of the package at load.
 
 Why one file of ~800 lines: the table of every setting is the point of it — one place that says what can be set,
 how, and what each value is checked against — and the readers of specquant.toml, the environment and the flags
@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 CONFIG_NAME = "specquant.toml"
-DEFAULT_FAMILY_DIR = Path("models") / "smollm2-135m"  # where session.load_family looks when nothing names a family
 DEFAULT_CTX = 4096
 MAX_CTX = 1 << 20
 DEFAULT_GAMMA = 4  # the draft length γ when nothing sets one
@@ -45,6 +44,7 @@ MAX_CONFIG_BYTES = 1 << 20  # the largest specquant.toml read (a config is a few
 MAX_CONFIG_DEPTH = 32  # the deepest nesting of tables and arrays in it (the document is level 1)
 MAX_KEY_FILE_BYTES = 64 << 10  # the largest --api-key-file read (serving.keys)
 COMPANIONS = {"serving.api_key": ("serving.api_key_file",)}  # a command taking the key takes these too
+PANELS = {"decoding": "Decoding", "runtime": "Model", "serving": "Server", "general": "Options"}  # --help panels
 
 SELFTEST_CHILD_ENV = "SPECQUANT_SELFTEST_CHILD"  # set in the self-test's child: it never starts a self-test itself
 SELFTEST_FAULT_ENV = "SPECQUANT_SELFTEST_FAULT"  # fault injection for tests: TYPE:SIGNAME kills the child at TYPE
@@ -231,6 +231,9 @@ class Setting:
     usage: bool = True  # a flag value its check refuses is a usage error (exit 2); False: an error (exit 1)
     many: bool = False  # a list: comma-separated text, or a TOML array
     repeat: bool = False  # several values: the flag repeated, or a TOML array; the environment holds one
+    doc: str = ""  # the longer text of docs/configuration.md (`help` is the option's one line)
+    metavar: Optional[str] = None  # the value's name in --help (default: by kind, see `shown_metavar`)
+    panel: Optional[str] = None  # the --help panel its option sits in (default: by branch, PANELS)
 
     @property
     def key(self) -> str:
@@ -241,8 +244,23 @@ class Setting:
         return "SPECQUANT_" + self.name.upper()
 
     def where(self) -> str:
-        """Where else it can be set, for the option's help."""
+        """Where else it can be set: its variable and its specquant.toml key."""
         return f"env {self.env}; {CONFIG_NAME}: {self.key}"
+
+    @property
+    def description(self) -> str:
+        """The whole text: the option's line, then the longer one of the docs."""
+        return f"{self.help}. {self.doc}" if self.doc else self.help
+
+    def shown_metavar(self) -> Optional[str]:
+        """The value's name in --help: the declared one, else by kind (none for an on/off flag)."""
+        if self.metavar is not None or self.kind is bool:
+            return self.metavar
+        return {int: "N", float: "NUM", Path: "PATH"}.get(self.kind, "TEXT")
+
+    @property
+    def help_panel(self) -> str:
+        return self.panel or PANELS[self.branch]
 
     def convert(self, raw: Any, text: bool = True) -> Any:
         """A value from the environment (`text`) or specquant.toml (TOML's own types: a string is no number
@@ -360,90 +378,110 @@ def _declare() -> dict[str, Setting]:
     policies = _policy_table
     items = [
         # decoding: what an answer is made with
-        Setting("decoding", "policy", str, policies.default, policies.help(), "--policy", check=check_policy,
-                usage=False, optional=policies.default is None),
-        Setting("decoding", "gamma", int, DEFAULT_GAMMA, "Draft length γ (fixed, or where an adaptive one starts)",
-                "--gamma", lo=1, hi=MAX_GAMMA_SETTING),
-        Setting("decoding", "temperature", float, 0.0, "0 = greedy", "--temperature", lo=0.0),
-        Setting("decoding", "top_p", float, 1.0, "Nucleus sampling mass", "--top-p", lo=0.0, hi=1.0),
-        Setting("decoding", "top_k", int, 0, "0 = off", "--top-k", lo=0),
-        Setting("decoding", "seed", int, None, "Same seed, same sampled output", "--seed", lo=0, hi=2**64 - 1,
-                optional=True, shown="none"),
-        Setting("decoding", "draft_memory", float, DEFAULT_DRAFT_MEMORY_MIB, "RAM (MiB) of the drafting memory "
-                "every request of a policy shares (suffix drafts over earlier prompts and answers; least recently "
-                "used out; 0: each answer drafts from itself alone). One per policy that drafts from it: serve's "
-                "memory check counts it once per such policy on offer", "--draft-memory", lo=0.0,
-                hi=MAX_DRAFT_MEMORY_MIB),
+        Setting("decoding", "policy", str, policies.default, "Decoding policy (auto, parent, spec-q4, suffix, …)",
+                "--policy", check=check_policy, usage=False, optional=policies.default is None, metavar="NAME",
+                doc=f"One of: {policies.help()}."),
+        Setting("decoding", "gamma", int, DEFAULT_GAMMA, "Draft length γ (where an adaptive one starts)",
+                "--gamma", lo=1, hi=MAX_GAMMA_SETTING, doc=f"Tokens a drafter proposes per parent call, 1 to "
+                f"{MAX_GAMMA_SETTING}: fixed, or where an adaptive length starts."),
+        Setting("decoding", "temperature", float, 0.0, "Sampling temperature (0: greedy)", "--temperature", lo=0.0,
+                metavar="T"),
+        Setting("decoding", "top_p", float, 1.0, "Nucleus sampling mass", "--top-p", lo=0.0, hi=1.0, metavar="P"),
+        Setting("decoding", "top_k", int, 0, "Sample from the K likeliest tokens (0: off)", "--top-k", lo=0,
+                metavar="K"),
+        Setting("decoding", "seed", int, None, "Seed of sampling: same seed, same answer", "--seed", lo=0,
+                hi=2**64 - 1, optional=True, shown="none", doc="0 to 2^64-1. Unset: a fresh seed per answer."),
+        Setting("decoding", "draft_memory", float, DEFAULT_DRAFT_MEMORY_MIB, "MiB of drafting memory per policy",
+                "--draft-memory", lo=0.0, hi=MAX_DRAFT_MEMORY_MIB, metavar="MIB",
+                doc="RAM of the drafting memory every request of a policy shares (suffix drafts over earlier "
+                    "prompts and answers; least recently used out; 0: each answer drafts from itself alone). One "
+                    "per policy that drafts from it: serve's memory check counts it once per such policy on offer."),
         # runtime: what the models run with
-        Setting("runtime", "family", Path, None, "Family folder", "--family", check=check_path, optional=True,
-                shown=str(DEFAULT_FAMILY_DIR)),
-        Setting("runtime", "ctx", int, DEFAULT_CTX, "Context size (tokens) of each sequence", "--ctx", lo=256,
+        Setting("runtime", "family", Path, None, "Family: a name (specquant list) or a folder", "--family",
+                check=check_path, optional=True, shown="none", metavar="NAME|DIR",
+                doc="A name is looked up in ./models, then the models folder (runtime.models) and its index of "
+                    "families made elsewhere. Unset: the family pulled or quantized last (the test family "
+                    "smollm2-135m only while it is the only one), named on stderr."),
+        Setting("runtime", "models", Path, None, "Folder of the families found by name", "--models",
+                check=check_path, optional=True, shown="user data folder", metavar="DIR",
+                doc="Default: $XDG_DATA_HOME/specquant/models (~/.local/share/specquant/models when XDG_DATA_HOME "
+                    "is unset). It holds the families made there and an index of those made elsewhere (a "
+                    "checkout's ./models, a folder given to quantize), so --family NAME finds each from any folder; "
+                    "without this setting, pull and quantize run in a checkout make families in its ./models."),
+        Setting("runtime", "ctx", int, DEFAULT_CTX, "Context size of each sequence (tokens)", "--ctx", lo=256,
                 hi=MAX_CTX),
-        Setting("runtime", "threads", int, 0, "llama.cpp threads (0 = every core)", "--threads", lo=0,
-                check=check_threads),
-        Setting("runtime", "parent", str, "fastest", "The parent's rendering: f16, bf16, or fastest (the one this "
-                "machine's calibration measured faster where the family has both and the CPU has BF16 dot products; "
-                "else the one the family has, F16 where the CPU has none)", "--parent", check=check_parent),
-        Setting("runtime", "mmap", bool, False, "Map model files instead of reading them into memory (faster "
-                "start, shared pages; a file changed under a mapping can crash the process)", "--mmap"),
-        Setting("runtime", "rpc", str, None, "Run the parent's layers on llama.cpp RPC workers "
-                "HOST:PORT[,HOST:PORT…] (specquant worker); drafts stay here", "--rpc", check=check_rpc, many=True,
-                optional=True, shown="none"),
+        Setting("runtime", "threads", int, 0, "llama.cpp threads (0: every core)", "--threads", lo=0,
+                check=check_threads, doc=f"At most {THREADS_PER_CORE} × the logical cores."),
+        Setting("runtime", "parent", str, "fastest", "Parent's rendering: fastest, f16, bf16", "--parent",
+                check=check_parent, metavar="R",
+                doc="fastest: the one this machine's calibration measured faster where the family has both and "
+                    "the CPU has BF16 dot products; else the one the family has, F16 where the CPU has none."),
+        Setting("runtime", "mmap", bool, False, "Map model files instead of reading them in", "--mmap",
+                doc="A faster start and shared pages; a file changed under a mapping can crash the process, and "
+                    "mapped weights may be reclaimed under memory pressure."),
+        Setting("runtime", "rpc", str, None, "Run the parent's layers on llama.cpp RPC workers", "--rpc",
+                check=check_rpc, many=True, optional=True, shown="none", metavar="HOST:PORT,…",
+                doc="HOST:PORT[,HOST:PORT…] of `specquant worker`s (a TOML array too); drafts stay here."),
         Setting("runtime", "rpc_timeout", float, DEFAULT_RPC_TIMEOUT_S, "Seconds one RPC reply may take",
-                "--rpc-timeout", lo=0.0, hi=MAX_RPC_TIMEOUT_S, check=_positive_seconds),
-        Setting("runtime", "parallel", int, None, f"Sequences decoded together (default: as many as this "
-                "machine's stored calibration says pay, else the prior cost curve's pick; at most "
-                f"{MAX_PARALLEL}). Each holds --ctx positions of its own", "--parallel", lo=1, hi=MAX_PARALLEL,
-                optional=True, shown="from the calibration"),
+                "--rpc-timeout", lo=0.0, hi=MAX_RPC_TIMEOUT_S, check=_positive_seconds, metavar="S"),
+        Setting("runtime", "parallel", int, None, "Sequences decoded together", "--parallel", lo=1,
+                hi=MAX_PARALLEL, optional=True, shown="from the calibration",
+                doc=f"Default: as many as this machine's stored calibration says pay, else the prior cost curve's "
+                    f"pick; at most {MAX_PARALLEL}. Each holds --ctx positions of its own."),
         Setting("runtime", "llama_log", str, None, "A file for llama.cpp's own log", check=_log_path,
-                optional=True),
+                optional=True, doc="Never in a family folder or on a model file; a FIFO without a reader is "
+                                   "refused; a write that fails stops the log with one warning."),
         # serving: the HTTP front end
-        Setting("serving", "host", str, "127.0.0.1", "Address to bind (0.0.0.0: every interface)", "--host",
-                check=check_text),
+        Setting("serving", "host", str, "127.0.0.1", "Address to bind (0.0.0.0: all)", "--host",
+                check=check_text, metavar="ADDR"),
         Setting("serving", "port", int, 8080, "Port (0: any free port, printed at start)", "--port", lo=0,
-                hi=65535),
-        Setting("serving", "api_key", str, None, "Require Authorization: Bearer KEY on every /v1 request. "
-                "Repeat it for several keys, each a tenant (in specquant.toml an array; the variable holds one key, "
-                "commas included: more keys belong in --api-key-file, not in the environment). A key is printable "
-                "ASCII with nothing around it; an empty one is refused", "--api-key", check=check_api_keys,
-                optional=True, secret=True, shown="none", repeat=True),
-        Setting("serving", "api_key_file", Path, None, "A file of API keys, one per line, each a tenant (blank "
-                "lines and lines starting with # skipped; a key given twice is refused). It must be a regular file "
-                f"of yours, no symbolic link, mode 600 or stricter, at most {MAX_KEY_FILE_BYTES >> 10} KiB",
-                "--api-key-file", check=check_path, optional=True, shown="none"),
+                hi=65535, metavar="PORT"),
+        Setting("serving", "api_key", str, None, "Require this bearer key on /v1 (repeat: tenants)", "--api-key",
+                check=check_api_keys, optional=True, secret=True, shown="none", repeat=True, metavar="KEY",
+                panel="Security",
+                doc="Every /v1 request needs Authorization: Bearer KEY. Repeat it for several keys, each a tenant "
+                    "(in specquant.toml an array; the variable holds one key, commas included: more keys belong in "
+                    "--api-key-file, not in the environment). A key is printable ASCII with nothing around it; an "
+                    "empty one is refused."),
+        Setting("serving", "api_key_file", Path, None, "A file of API keys, one per line", "--api-key-file",
+                check=check_path, optional=True, shown="none", metavar="FILE", panel="Security",
+                doc="Each key a tenant (blank lines and lines starting with # skipped; a key given twice is "
+                    "refused). It must be a regular file of yours, no symbolic link, mode 600 or stricter, at most "
+                    f"{MAX_KEY_FILE_BYTES >> 10} KiB."),
         Setting("serving", "queue", int, 32, "Requests that may wait behind the running ones", "--queue", lo=0),
         Setting("serving", "max_body", int, 1 << 20, "Largest request body in bytes (413 above)", "--max-body",
-                lo=1024, hi=1 << 30),
-        Setting("serving", "max_tokens", int, 512, "New tokens for a request that sets no max_tokens",
+                lo=1024, hi=1 << 30, metavar="BYTES"),
+        Setting("serving", "max_tokens", int, 512, "New tokens when a request sets no max_tokens",
                 "--max-tokens", lo=1),
-        Setting("serving", "allow_host", str, None, "More names the Host header may carry, comma-separated "
-                "(always allowed: IP addresses, localhost, the bound address; *: any name, which turns the "
-                "DNS-rebinding check off)", "--allow-host",
-                check=_names, optional=True, shown="none", many=True),
-        Setting("serving", "cors_origin", str, None, "Origins whose web pages may call the API, comma-separated "
-                "(e.g. http://localhost:3000; *: any); the server's own chat page needs none", "--cors-origin",
-                check=_origins, optional=True, shown="none", many=True),
-        Setting("serving", "prompt_cache", bool, True, "Reuse computed prompt prefixes: a slot's own, another "
-                "slot's (copied, no prefill) and the prompt cache's (off: every prompt is prefilled whole)",
-                "--prompt-cache"),
-        Setting("serving", "cache_ram", float, None, "RAM (MiB) of the prompt cache: the parent's state of a "
-                "reused slot, kept for a later prompt that starts the same way (least recently used out; 0: off; "
-                f"else at least {CACHE_RAM_MIN_MIB:g}, or what one cached prompt of the model takes where that is "
-                "more)",
-                "--cache-ram", lo=0.0, hi=1 << 24, optional=True,
-                shown=f"{CACHE_RAM_SHARE:.0%} of free memory, at most {CACHE_RAM_MAX_MIB:.0f}"),
-        Setting("serving", "cache_dir", Path, None, "A folder the prompt cache is also written to, and read back "
-                "from at start (entries of another model, build or context size are refused); made private (700, "
-                "files 600)", "--cache-dir", check=check_path, optional=True, shown="none"),
-        Setting("serving", "cache_disk", float, None, "MiB the --cache-dir folder holds in all: after every write "
-                "its oldest files go first, whichever server sharing it wrote them", "--cache-disk", lo=1.0,
-                hi=1 << 24, optional=True, shown="--cache-ram's"),
-        Setting("serving", "prefill_chunk", int, DEFAULT_PREFILL_CHUNK, "Tokens a prompt adds per batch round "
-                "while other requests decode (their inter-token latency stays bounded)", "--prefill-chunk", lo=8,
-                hi=512),
-        Setting("serving", "policies", str, None, "Comma-separated policies a request may choose (default: all "
-                "the family can run); every model they can use is loaded at start-up", "--policies",
-                check=_policies, optional=True, shown="all", usage=False, many=True),
+        Setting("serving", "allow_host", str, None, "More names the Host header may carry", "--allow-host",
+                check=_names, optional=True, shown="none", many=True, metavar="NAMES", panel="Security",
+                doc="Comma-separated. Always allowed: IP addresses, localhost, the bound address; *: any name, "
+                    "which turns the DNS-rebinding check off."),
+        Setting("serving", "cors_origin", str, None, "Origins whose web pages may call the API", "--cors-origin",
+                check=_origins, optional=True, shown="none", many=True, metavar="ORIGINS", panel="Security",
+                doc="Comma-separated, e.g. http://localhost:3000; *: any. The server's own chat page needs none."),
+        Setting("serving", "prompt_cache", bool, True, "Reuse computed prompt prefixes", "--prompt-cache",
+                doc="A slot's own, another slot's (copied, no prefill) and the prompt cache's; off: every prompt "
+                    "is prefilled whole."),
+        Setting("serving", "cache_ram", float, None, "Prompt cache RAM (0: off)", "--cache-ram",
+                lo=0.0, hi=1 << 24, optional=True, metavar="MIB",
+                shown=f"{CACHE_RAM_SHARE:.0%} of free, ≤ {CACHE_RAM_MAX_MIB:.0f}",
+                doc="The parent's state of a reused slot, kept for a later prompt that starts the same way (least "
+                    f"recently used out). At least {CACHE_RAM_MIN_MIB:g}, or what one cached prompt of the model "
+                    "takes where that is more."),
+        Setting("serving", "cache_dir", Path, None, "Also keep the prompt cache in this folder", "--cache-dir",
+                check=check_path, optional=True, shown="none", metavar="DIR",
+                doc="Written to, and read back from at start (entries of another model, build or context size are "
+                    "refused); made private (700, files 600)."),
+        Setting("serving", "cache_disk", float, None, "MiB --cache-dir holds in all", "--cache-disk",
+                lo=1.0, hi=1 << 24, optional=True, shown="--cache-ram's", metavar="MIB",
+                doc="After every write its oldest files go first, whichever server sharing it wrote them."),
+        Setting("serving", "prefill_chunk", int, DEFAULT_PREFILL_CHUNK, "Prompt tokens per batch round",
+                "--prefill-chunk", lo=8, hi=512,
+                doc="Other requests' inter-token latency stays bounded while a long prompt is prefilled."),
+        Setting("serving", "policies", str, None, "Policies a request may choose", "--policies",
+                check=_policies, optional=True, shown="all", usage=False, many=True, metavar="NAMES",
+                doc="Default: all the family can run. Every model they can use is loaded at start-up."),
         # general: every command
         Setting("general", "debug", bool, False, "Re-raise errors with their traceback"),
     ]
@@ -460,7 +498,7 @@ def settings_table() -> dict[str, Setting]:
     return _settings
 
 
-GLOBAL_KEYS = ("general.debug", "runtime.llama_log")  # resolved by every command
+GLOBAL_KEYS = ("general.debug", "runtime.llama_log", "runtime.models")  # resolved by every command
 
 
 # -- resolution --------------------------------------------------------------------------------------------------
@@ -768,6 +806,45 @@ def cache_home() -> Optional[Path]:
         except (RuntimeError, KeyError):
             return None
     return Path(base) / "specquant"
+
+
+def data_home() -> Optional[Path]:
+    """specquant's user data folder: $XDG_DATA_HOME/specquant, or ~/.local/share/specquant when it is unset or
+    relative (as cache_home); None when there is no home either."""
+    base = os.environ.get("XDG_DATA_HOME", "")
+    if not os.path.isabs(base):
+        try:
+            base = str(Path.home() / ".local" / "share")
+        except (RuntimeError, KeyError):
+            return None
+    return Path(base) / "specquant"
+
+
+_resolved_models: list[Optional[Path]] = []  # runtime.models as the running command resolved it
+
+
+def set_models(path: Optional[Path]) -> None:
+    """The command edge records the resolved runtime.models here (commands.options.with_settings)."""
+    _resolved_models[:] = [path]
+
+
+def models_given() -> Optional[Path]:
+    """runtime.models as given: as the running command resolved it (flag, environment, specquant.toml), else (no
+    command resolved it: the package used as a library) its variable read now; None when it is not set."""
+    if _resolved_models:
+        return _resolved_models[0]
+    raw = os.environ.get(settings_table()["runtime.models"].env, "")
+    return Path(raw) if raw and "\0" not in raw else None
+
+
+def models_dir() -> Optional[Path]:
+    """The models folder (family.store): runtime.models when given, else data_home()/models; None when there is
+    no home either."""
+    given = models_given()
+    if given is not None:
+        return given
+    home = data_home()
+    return home / "models" if home is not None else None
 
 
 def columns() -> Optional[int]:

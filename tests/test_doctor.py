@@ -149,3 +149,19 @@ def test_a_role_named_before_f16_is_never_placed_as_the_parent(family, tmp_path)
         pl = require_fit(facts(free_vram=parent_only), fam, roles, 4096)
         assert pl.mode == "hybrid" and pl.gpu_layers == {"parent": -1, "d35": 0}, (roles, pl)
     assert all_roles(["parent", "spec-q4", "spec-q8"])[0] == "parent"
+
+
+def test_doctor_shows_only_the_settings_not_at_their_default_unless_all(tmp_path):
+    """The settings table lists what was given or decided here; --all lists every setting; --json keeps them all."""
+    env = {"SPECQUANT_GAMMA": "7", "COLUMNS": "200"}
+    r = run_cli(["doctor", "--ctx", "2048"], env=env)
+    assert r.exit_code == 0, r.stderr
+    assert "decoding.gamma" in r.stderr and "SPECQUANT_GAMMA" in r.stderr  # every setting's view: given by a variable
+    assert "runtime.ctx" in r.stderr and "--ctx" in r.stderr
+    assert "serving.port" not in r.stderr and "not at their default" in r.stderr
+    r = run_cli(["doctor", "--ctx", "2048", "--all"], env=env)
+    assert r.exit_code == 0 and "serving.port" in r.stderr and "serving.queue" in r.stderr
+    r = run_cli(["doctor", "--ctx", "2048", "--json"], env=env)
+    settings = json.loads(r.stdout)["settings"]
+    assert settings["serving.port"]["source"] == "default" and settings["runtime.ctx"]["source"] == "flag"
+    assert settings["decoding.gamma"] == {"value": 7, "source": "env", "from": "SPECQUANT_GAMMA"}

@@ -192,7 +192,7 @@ def test_a_bad_variable_stops_any_command_before_it_runs(tmp_path):
 def test_help_shows_where_a_setting_can_be_set():
     r = run_cli(["chat", "--help"], env={"COLUMNS": "200"})
     assert r.exit_code == 0
-    assert "SPECQUANT_GAMMA" in r.stdout and "decoding.gamma" in r.stdout and "--gamma" in r.stdout
+    assert "SPECQUANT_GAMMA" in r.stdout and "[decoding]" in r.stdout and "--gamma" in r.stdout
 
 
 @pytest.mark.slow

@@ -31,13 +31,20 @@ def register(app: typer.Typer) -> None:
         bench_rpc,
     )
 
-    group = typer.Typer(no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
-                        help="Measure: policies on prompt sets, servers under load, requests decoding together, "
-                             "call costs, the engine, prefill beside a stream, draft variants, RPC, the router.")
-    for mod in (bench_prompts, bench_load, bench_batch, bench_calls, bench_engine, bench_prefill, bench_drafts,
-                bench_rpc, bench_route):
-        mod.register(group)
-    app.add_typer(group, name="bench")
+    PANELS = {"Measure": (bench_prompts, bench_load, bench_drafts, bench_route),  # for users first
+              "Diagnostics": (bench_calls, bench_engine, bench_prefill, bench_batch, bench_rpc)}
+
+    from specquant_cli.commands.options import SpecquantGroup
+
+    group = typer.Typer(cls=SpecquantGroup, no_args_is_help=True,
+                        context_settings={"help_option_names": ["-h", "--help"]},
+                        help="Measure policies on prompt sets and servers under load; the diagnostics measure one "
+                             "part (call costs, the engine, prefill, batches, RPC). docs/benchmarking.md")
+    for panel, mods in PANELS.items():
+        for mod in mods:
+            mod.register(group)
+            group.registered_commands[-1].rich_help_panel = panel
+    app.add_typer(group, name="bench", short_help="Measure speed, fidelity and load")
     app.command("loadtest", hidden=True, add_help_option=False,
                 context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(_moved)
 

@@ -7,39 +7,47 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import JsonOpt, command_line, int_list, split_list, with_settings
+from specquant_cli.commands.options import (
+    BENCH_MAX_TOKENS,
+    CategoriesOpt,
+    DatasetOpt,
+    JsonFileOpt,
+    JsonOpt,
+    MarkdownOpt,
+    command_line,
+    int_list,
+    split_list,
+    with_settings,
+)
 from specquant_cli.console import err, out_json
 from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
-    app.command("batch", help="Requests decoding together in one process (the server's slots, batcher and round "
-                              "pacer, no HTTP): for each of --requests B and each policy, B requests started together; "
-                              "aggregate tok/s, rounds, calls held for drafts (--hold off measures without the "
-                              "hold), answers against the parent's.")(batch)
+    app.command("batch", short_help="Requests decoding together, in one process",
+                help="Requests decoding together in one process (the server's slots, batcher and round pacer, no "
+                     "HTTP): for each --requests B and policy, aggregate tok/s, rounds, held calls, and answers "
+                     "against the parent's.")(batch)
 
 
 @with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "decoding.gamma",
                "serving.prefill_chunk")
 def batch(
-    requests: str = typer.Option("1,2,4,8", "--requests", help="Comma-separated numbers of requests decoding "
-                                 "together, each in a slot of its own (at most 8)"),
-    policies: str = typer.Option("parent,auto", "--policies", help="Comma-separated policies"),
-    hold: str = typer.Option("priced", "--hold", help="Comma-separated: priced (the parent's calls wait for the "
-                             "granted draft calls beside them), off (never)"),
-    dataset: list[Path] = typer.Option([], "--dataset", help="Spec-Bench-format JSONL (repeatable); default: the "
-                                                             "built-in prompt set"),
-    categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories",
-                                             show_default=False),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=1, max=4096),
+    requests: str = typer.Option("1,2,4,8", "--requests", help="Requests decoding together, comma-separated",
+                                 metavar="B,…"),
+    policies: str = typer.Option("parent,auto", "--policies", help="Comma-separated policies", metavar="NAMES"),
+    hold: str = typer.Option("priced", "--hold", help="priced, off, or both: priced,off", metavar="MODES"),
+    dataset: list[Path] = DatasetOpt,
+    categories: Optional[str] = CategoriesOpt,
+    max_tokens: int = typer.Option(BENCH_MAX_TOKENS, "--max-tokens", min=1, max=4096, help="New tokens per answer"),
     repeats: int = typer.Option(1, "--repeats", min=1, max=20, help="Runs per configuration (medians)"),
     json_out: bool = JsonOpt,
-    json_file: Optional[Path] = typer.Option(None, "--json-file", help="Write the JSON report to FILE"),
-    md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write the table as markdown to FILE"),
+    json_file: Optional[Path] = JsonFileOpt,
+    md_out: Optional[Path] = MarkdownOpt,
     *, cfg: Settings,
 ) -> None:
     from specquant_cli.bench import batch as bench_batch
-    from specquant_cli.bench import datasets, report
+    from specquant_cli.bench import datasets, report, stamp
     from specquant_cli.console import stderr_reporter
     from specquant_cli.errors import InputError
     from specquant_cli.routing.policies import check_policy
@@ -56,11 +64,12 @@ def batch(
     items = datasets.load(dataset, split_list(categories, "--categories", "category"))
     if len(items) < max(bs):
         raise InputError(f"{len(items)} prompts for --requests {max(bs)}: give a larger --dataset")
+    run_stamp = stamp.take(command_line(), cfg.runtime.threads)
     session = open_session(SessionSettings.of(cfg, parallel=max(bs)), report=stderr_reporter())
     try:
         fam = session.runtime.family
         for p in names:
-            check_policy(p, fam.roles())
+            check_policy(p, fam.roles(), fam.siblings())
         session.runtime.calibration()  # measured first when a planner needs it, never inside a run
         session.runtime.pool.ensure([r for p in names for r in _roles(p)])
         session.runtime.load_planner_drafts(names)
@@ -71,7 +80,7 @@ def batch(
         session.runtime.close()
     rep = bench_batch.report(runs, {"parallel": bs, "policies": names, "holds": holds, "max_tokens": max_tokens,
                                     "repeats": repeats, "threads": cfg.runtime.threads,
-                                    "datasets": [str(d) for d in dataset] or ["builtin"]}, command_line(), fam)
+                                    "datasets": [str(d) for d in dataset] or ["builtin"]}, run_stamp, fam)
     err.print(bench_batch.markdown(rep), markup=False)
     failure = report.write_outputs(rep, json_file, md_out, render=bench_batch.markdown)
     if json_out:

@@ -7,32 +7,32 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import JsonOpt, split_list, with_settings
+from specquant_cli.commands.options import JsonFileOpt, JsonOpt, MarkdownOpt, PlotOpt, split_list, with_settings
 from specquant_cli.console import err, out_json
 from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
-    app.command("calls", help="Each role's call cost: one llama.cpp call on 1, 2, 4, 8, 16 tokens (every row's "
-                              "logits, as a verification asks) and the prefill per prompt token, a child process "
-                              "per role (a weight type the build cannot run is named, not crashed on).")(calls)
+    app.command("calls", short_help="Each role's call cost on 1 to 16 tokens",
+                help="Each role's call cost: one llama.cpp call on 1, 2, 4, 8, 16 tokens (every row's logits, as a "
+                     "verification asks) and the prefill per prompt token, a child process per role.")(calls)
 
 
 @with_settings("runtime.family", "runtime.parent", "runtime.threads")
 def calls(
-    roles: Optional[str] = typer.Option(None, "--roles", help="Comma-separated roles (default: the parent, then "
-                                        "every draft of the family)", show_default=False),
-    sizes: str = typer.Option("1,2,4,8,16", "--sizes", help="Comma-separated tokens per call"),
-    reps: int = typer.Option(7, "--reps", min=1, max=101, help="Timings per size (the median is reported)"),
+    roles: Optional[str] = typer.Option(None, "--roles", help="Comma-separated roles", metavar="NAMES",
+                                        show_default="the parent and every draft"),
+    sizes: str = typer.Option("1,2,4,8,16", "--sizes", help="Comma-separated tokens per call", metavar="N,…"),
+    reps: int = typer.Option(7, "--repeats", "--reps", min=1, max=101, help="Timings per size (the median counts)"),
     position: int = typer.Option(64, "--position", min=1, max=1 << 16, help="Positions of context before the calls"),
     json_out: bool = JsonOpt,
-    json_file: Optional[Path] = typer.Option(None, "--json-file", help="Write the JSON report to FILE"),
-    md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write the table as markdown to FILE"),
-    plot_out: Optional[Path] = typer.Option(None, "--plot", help="PNG of ms per call against tokens per call"),
+    json_file: Optional[Path] = JsonFileOpt,
+    md_out: Optional[Path] = MarkdownOpt,
+    plot_out: Optional[Path] = PlotOpt,
     *, cfg: Settings,
 ) -> None:
     from specquant_cli.bench import calls as bench_calls
-    from specquant_cli.bench import report
+    from specquant_cli.bench import report, stamp
     from specquant_cli.commands.options import command_line, int_list, load_family
     from specquant_cli.errors import InputError
     from specquant_cli.family.roles import PARENT_ROLE
@@ -52,10 +52,11 @@ def calls(
             raise InputError(f"--roles: {r!r} is no role of {fam.name} ({', '.join(fam.roles())})")
     names = [fam.parent_rendering if r == PARENT_ROLE else r for r in names]
     threads = cfg.runtime.threads
+    run_stamp = stamp.take(command_line(), threads)
     with err.status("bench calls") as status:
         curves = bench_calls.run(fam, names, ns, reps, position, threads,
                                  lambda role: status.update(f"bench calls: {role} ({fam.variant(role)['type']})"))
-    rep = bench_calls.report(fam, curves, ns, reps, position, threads, command_line(), facts.to_dict())
+    rep = bench_calls.report(fam, curves, ns, reps, position, threads, run_stamp, facts.to_dict())
     err.print(bench_calls.markdown(rep), markup=False)
     failure = report.write_outputs(rep, json_file, md_out, plot_out, render=bench_calls.markdown,
                                    draw=bench_calls.plot)

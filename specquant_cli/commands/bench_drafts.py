@@ -7,40 +7,47 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import JsonOpt, command_line, split_list, with_settings
+from specquant_cli.commands.options import (
+    CategoriesOpt,
+    DatasetOpt,
+    JsonFileOpt,
+    JsonOpt,
+    MarkdownOpt,
+    PlotOpt,
+    command_line,
+    split_list,
+    with_settings,
+)
 from specquant_cli.console import err, out_json
 from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
-    app.command("drafts", help="Draft variants side by side: size, draft step, teacher-forced agreement with the "
-                               "parent (and the greedy speculative outcome it implies), perplexity on held text; "
-                               "--make quantizes the recipes the family lacks first.")(drafts)
+    app.command("drafts", short_help="Draft variants: size, step, agreement",
+                help="Draft variants side by side: size, draft step, teacher-forced agreement with the parent, "
+                     "perplexity on held text; --make quantizes the recipes the family lacks first.")(drafts)
 
 
 @with_settings("runtime.family", "runtime.parent", "runtime.threads", "decoding.gamma")
 def drafts(
-    roles: Optional[str] = typer.Option(None, "--roles", help="Comma-separated draft roles (default: every draft of "
-                                        "the family; with --make, q4 and every recipe)", show_default=False),
-    make: bool = typer.Option(False, "--make", help="Quantize the recipes among --roles the family lacks (collecting "
-                              "activation statistics when one needs them)"),
-    dataset: list[Path] = typer.Option([], "--dataset", help="Spec-Bench-format JSONL (repeatable); default: the "
-                                                             "built-in prompt set"),
-    categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories (default: "
-                                             "every category of the prompts)", show_default=False),
+    roles: Optional[str] = typer.Option(None, "--roles", help="Comma-separated draft roles", metavar="NAMES",
+                                        show_default="every draft"),
+    make: bool = typer.Option(False, "--make", help="Quantize the recipes among --roles it lacks first"),
+    dataset: list[Path] = DatasetOpt,
+    categories: Optional[str] = CategoriesOpt,
     per_category: int = typer.Option(1, "--per-category", min=1, max=100, help="Stream prompts per category"),
-    stream_tokens: int = typer.Option(96, "--stream-tokens", min=1, max=4096, help="Tokens of each of the parent's "
-                                      "streams"),
+    stream_tokens: int = typer.Option(96, "--stream-tokens", min=1, max=4096,
+                                      help="Tokens of each of the parent's streams"),
     steps: int = typer.Option(24, "--steps", min=3, max=1000, help="Timed single-token steps per variant"),
-    ppl_tokens: int = typer.Option(1024, "--ppl-tokens", min=2, max=1 << 16, help="Held-text tokens for the "
-                                   "perplexity"),
+    ppl_tokens: int = typer.Option(1024, "--ppl-tokens", min=2, max=1 << 16,
+                                   help="Held-text tokens for the perplexity"),
     json_out: bool = JsonOpt,
-    json_file: Optional[Path] = typer.Option(None, "--json-file", help="Write the JSON report to FILE"),
-    md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write the tables as markdown to FILE"),
-    plot_out: Optional[Path] = typer.Option(None, "--plot", help="PNG of bits per weight against agreement"),
+    json_file: Optional[Path] = JsonFileOpt,
+    md_out: Optional[Path] = MarkdownOpt,
+    plot_out: Optional[Path] = PlotOpt,
     *, cfg: Settings,
 ) -> None:
-    from specquant_cli.bench import datasets, report
+    from specquant_cli.bench import datasets, report, stamp
     from specquant_cli.bench import drafts as bench_drafts
     from specquant_cli.commands.options import load_family
     from specquant_cli.errors import InputError
@@ -58,6 +65,7 @@ def drafts(
         raise InputError("--roles: the parent is the reference, measured first; name draft roles")
     items = datasets.load(dataset, split_list(categories, "--categories", "category"), per_category)
     say = lambda line: err.print(f"bench drafts: {line}", markup=False)  # noqa: E731
+    run_stamp = stamp.take(command_line(), cfg.runtime.threads)
     if make:
         fam = bench_drafts.make_missing(fam, names, cfg.runtime.threads, say)
     missing = [r for r in names if r not in fam.roles()]
@@ -66,8 +74,8 @@ def drafts(
                          f"--types {','.join(missing)} for the family")
     gamma = cfg.decoding.gamma  # the draft length of the implied speculative outcome
     measured = bench_drafts.run(fam, names, items, stream_tokens, gamma, steps, ppl_tokens, cfg.runtime.threads, say)
-    rep = {"command": command_line(), "family": fam.name, "root": str(fam.root), "parent": fam.parent_rendering,
-           "provenance": fam.provenance, "imatrix": fam.manifest.get("imatrix"),
+    rep = {"command": run_stamp["command"], "stamp": run_stamp, "family": fam.name, "root": str(fam.root),
+           "parent": fam.parent_rendering, "provenance": fam.provenance, "imatrix": fam.manifest.get("imatrix"),
            "config": {"stream_tokens": stream_tokens, "gamma": gamma, "steps": steps, "ppl_tokens": ppl_tokens,
                       "threads": cfg.runtime.threads, "datasets": [str(d) for d in dataset] or ["builtin"]},
            **measured}

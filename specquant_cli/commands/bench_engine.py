@@ -8,34 +8,41 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import JsonOpt, command_line, int_list, split_list, with_settings
+from specquant_cli.commands.options import (
+    BENCH_MAX_TOKENS,
+    JsonFileOpt,
+    JsonOpt,
+    MarkdownOpt,
+    command_line,
+    int_list,
+    split_list,
+    with_settings,
+)
 from specquant_cli.console import err, out_json
 from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
-    app.command("engine", help="The engine itself: the parent alone against each drafter (a draft role, ngram, "
-                               "suffix) at each draft length and adaptive, greedy, every run from empty caches; "
-                               "speed, acceptance, identical answers, and the overhead over the llama.cpp calls "
-                               "it made.")(engine)
+    app.command("engine", short_help="The engine per drafter and draft length",
+                help="The engine itself: the parent alone against each drafter at each draft length and adaptive, "
+                     "greedy, from empty caches; speed, acceptance, identity, and the overhead over llama.cpp's "
+                     "calls.")(engine)
 
 
 @with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads")
 def engine(
-    drafters: str = typer.Option("q4,q8,ngram", "--drafters", help="Comma-separated drafters: draft roles of "
-                                 "the family, ngram, suffix"),
-    gammas: str = typer.Option("2,4,6", "--gammas", help="Comma-separated fixed draft lengths (each drafter also "
-                               "runs adaptive)"),
-    max_tokens: int = typer.Option(96, "--max-tokens", min=1, max=4096),
-    prompts: int = typer.Option(5, "--prompts", min=1, max=5, help="How many of the built-in code and "
-                                "explanation prompts"),
+    drafters: str = typer.Option("q4,q8,ngram", "--drafters", help="Draft roles, ngram, suffix",
+                                 metavar="NAMES"),
+    gammas: str = typer.Option("2,4,6", "--gammas", help="Fixed draft lengths (adaptive runs too)", metavar="N,…"),
+    max_tokens: int = typer.Option(BENCH_MAX_TOKENS, "--max-tokens", min=1, max=4096, help="New tokens per answer"),
+    prompts: int = typer.Option(5, "--prompts", min=1, max=5, help="How many of the built-in prompts"),
     json_out: bool = JsonOpt,
-    json_file: Optional[Path] = typer.Option(None, "--json-file", help="Write the JSON report to FILE"),
-    md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write the tables as markdown to FILE"),
+    json_file: Optional[Path] = JsonFileOpt,
+    md_out: Optional[Path] = MarkdownOpt,
     *, cfg: Settings,
 ) -> None:
     from specquant_cli.bench import engine as bench_engine
-    from specquant_cli.bench import report
+    from specquant_cli.bench import report, stamp
     from specquant_cli.commands.options import load_family
     from specquant_cli.errors import InputError
     from specquant_cli.family.roles import PARENT_ROLE
@@ -53,12 +60,13 @@ def engine(
             raise InputError(f"--drafters: {d!r} is no draft role of {fam.name} "
                              f"({', '.join(r for r in fam.roles() if r != PARENT_ROLE)}) nor "
                              f"{' or '.join(bench_engine.DRAFT_FREE)}")
+    run_stamp = stamp.take(command_line(), cfg.runtime.threads)
     with err.status("bench engine") as status:
         measured = bench_engine.run(fam, names, gs, max_tokens, prompts, cfg.runtime.ctx, cfg.runtime.threads,
                                     lambda what: status.update(f"bench engine: {what}"))
     rep = bench_engine.report(fam, measured, {"drafters": names, "gammas": gs, "max_tokens": max_tokens,
                                               "n_ctx": cfg.runtime.ctx, "threads": cfg.runtime.threads},
-                              command_line(), facts.to_dict())
+                              run_stamp, facts.to_dict())
     err.print(bench_engine.markdown(rep), markup=False)
     failure = report.write_outputs(rep, json_file, md_out, render=bench_engine.markdown)
     if json_out:

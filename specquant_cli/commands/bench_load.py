@@ -19,7 +19,18 @@ from specquant_cli.bench.load import (
     PROBE_TIMEOUT_S,
     SCENARIOS,
 )
-from specquant_cli.commands.options import JsonOpt, command_line, finite, split_list, with_settings
+from specquant_cli.commands.options import (
+    BENCH_MAX_TOKENS,
+    CategoriesOpt,
+    DatasetOpt,
+    JsonFileOpt,
+    JsonOpt,
+    MarkdownOpt,
+    command_line,
+    finite,
+    split_list,
+    with_settings,
+)
 from specquant_cli.console import err, out_json
 from specquant_cli.errors import InputError
 from specquant_cli.settings import Settings
@@ -33,82 +44,74 @@ def _positive(value: Optional[float]) -> Optional[float]:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("load", help="Load an OpenAI-compatible server (specquant serve, llama-server, …) with streamed "
-                             "conversations: TTFT, inter-token latency, throughput, goodput; or, with --servers, "
-                             "servers started fresh here side by side under the same load. With --family (or "
-                             "SPECQUANT_FAMILY) each answer is judged against the parent alone here, after the "
-                             "run.")(load_cmd)
+    app.command("load", short_help="Load a server with streamed conversations",
+                help="Load an OpenAI-compatible server (specquant serve, llama-server, …) with streamed "
+                     "conversations: TTFT, inter-token latency, throughput, goodput. With --servers, servers started "
+                     "here side by side under the same load; with --family, answers judged against the parent "
+                     "after the run. docs/benchmarking.md")(load_cmd)
 
 
 @with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.mmap",
                "runtime.parallel")
 def load_cmd(
-    url: Optional[str] = typer.Option(None, "--url", help="A running server's base URL, e.g. http://127.0.0.1:8080",
+    url: Optional[str] = typer.Option(None, "--url", help="A running server's base URL",
                                       show_default=False),
-    servers: Optional[str] = typer.Option(None, "--servers", help="Instead of --url: servers started fresh here, "
-                                          "one after another, each loaded the same way (comma-separated: "
-                                          "specquant policies such as parent,auto; llama:plain, llama:ngram-mod, "
-                                          "llama:draft-q4, llama:draft-sibling for llama-server). Needs --family",
+    servers: Optional[str] = typer.Option(None, "--servers", help="Or servers started here: auto,llama:ngram-mod,…",
+                                          metavar="NAMES",
                                           show_default=False),
-    llama_server: Optional[Path] = typer.Option(None, "--llama-server", help="llama-server's path, for --servers "
-                                                "llama:MODE (built from llama.cpp's sources; none ships here)",
+    llama_server: Optional[Path] = typer.Option(None, "--llama-server",
+                                                help="The llama-server for --servers llama:MODE",
                                                 show_default=False),
-    repeat: int = typer.Option(1, "--repeat", min=1, max=20, help="With --servers: run them all this many times, "
-                               "in turn (A B A B …), and compare their medians: the VM's drift falls on every "
-                               "server alike"),
-    model: Optional[str] = typer.Option(None, "--model", help="Model id to ask for (default: the first of GET "
-                                                              "/v1/models)"),
+    repeat: int = typer.Option(1, "--repeats", "--repeat", min=1, max=20,
+                               help="Run --servers this many times in turn (medians)"),
+    model: Optional[str] = typer.Option(None, "--model", help="Model id to ask for",
+                                        show_default="the first of /v1/models"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Sent as Authorization: Bearer KEY",
                                           show_default=False),
-    scenario: str = typer.Option("single", "--scenario", help=f"{' | '.join(SCENARIOS)}: independent one-turn "
-                                 "questions; conversations whose turn k carries every earlier turn and the server's "
-                                 "answers; the same, all beginning with one shared long system prompt"),
+    scenario: str = typer.Option("single", "--scenario", help=" | ".join(SCENARIOS), metavar="NAME"),
     conversations: int = typer.Option(8, "--conversations", min=1, help="Conversations to run"),
-    turns: Optional[int] = typer.Option(None, "--turns", min=1, help="User turns per conversation (default: 1 for "
-                                        "single, 3 otherwise)", show_default=False),
-    concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="Conversations in flight at once "
-                                              "(default 1 without --rate; with --rate: a cap, none by default)",
-                                              show_default=False),
+    turns: Optional[int] = typer.Option(None, "--turns", min=1, help="User turns per conversation",
+                                        show_default="1 single, else 3"),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="Conversations at once",
+                                              show_default="1, or no cap with --rate"),
     rate: Optional[float] = typer.Option(None, "--rate", callback=_positive,
-                                         help="Poisson arrivals: conversations started per second (a single "
-                                              "scenario's requests per second)", show_default=False),
-    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the Poisson arrivals"),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="max_tokens of every request"),
-    system_tokens: Optional[int] = typer.Option(None, "--system-tokens", min=1, help="Approximate length of the "
-                                                f"shared system prompt (shared-system; default "
-                                                f"{DEFAULT_SYSTEM_TOKENS})", show_default=False),
-    dataset: list[Path] = typer.Option([], "--dataset", help="Spec-Bench-format JSONL of questions (repeatable); "
-                                                             "default: the built-in prompt set"),
-    categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories of the "
-                                             "questions", show_default=False),
+                                         help="Poisson arrivals: conversations per second",
+                                         show_default=False, metavar="PER_S"),
+    seed: int = typer.Option(0, "--arrival-seed", "--seed", min=0, help="Seed of the Poisson arrivals"),
+    max_tokens: int = typer.Option(BENCH_MAX_TOKENS, "--max-tokens", min=1, help="max_tokens of every request"),
+    system_tokens: Optional[int] = typer.Option(None, "--system-tokens", min=1,
+                                                help="Tokens of the shared system prompt",
+                                                show_default=str(DEFAULT_SYSTEM_TOKENS)),
+    dataset: list[Path] = DatasetOpt,
+    edits: bool = typer.Option(False, "--edits", help="Add the built-in code-edit set (each with a prediction)"),
+    prediction: str = typer.Option("on", "--prediction", metavar="MODE",
+                                   help="Predictions: on, off, or wrong (another one's)"),
+    categories: Optional[str] = CategoriesOpt,
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most N questions per category",
                                         show_default=False),
     ttft_target: float = typer.Option(DEFAULT_TTFT_TARGET_S, "--ttft-target", min=0.0, callback=finite,
-                                      help="Goodput: seconds to the first token a request may take"),
+                                      help="Goodput: seconds to the first token", metavar="S"),
     itl_target: float = typer.Option(DEFAULT_ITL_TARGET_S, "--itl-target", min=0.0, callback=finite,
-                                     help="Goodput: mean seconds between streamed pieces a request may take"),
-    extra_body: Optional[str] = typer.Option(None, "--extra-body", help="A JSON object merged into every "
-                                             "request body, e.g. '{\"cache_prompt\": false}' for llama-server or "
-                                             "'{\"specquant_policy\": \"parent\"}'", show_default=False),
+                                     help="Goodput: mean seconds between pieces", metavar="S"),
+    extra_body: Optional[str] = typer.Option(None, "--extra-body", help="JSON merged into every request body",
+                                             show_default=False, metavar="JSON"),
     timeout: float = typer.Option(DEFAULT_READ_TIMEOUT_S, "--timeout", callback=_positive,
-                                  help="Seconds a request may take between reads"),
+                                  help="Seconds a request may wait between reads", metavar="S"),
     request_timeout: float = typer.Option(DEFAULT_REQUEST_TIMEOUT_S, "--request-timeout", callback=_positive,
-                                          help="Seconds a whole request may take, from sending it to the end of "
-                                               "its answer (a server that trickles bytes fails here)"),
+                                          help="Seconds a whole request may take", metavar="S"),
     deadline: Optional[float] = typer.Option(None, "--deadline", callback=_positive,
-                                             help="Seconds the whole run may take: no request starts after it, "
-                                                  "those in flight are cancelled and fail (default: none)",
+                                             help="Seconds the whole run may take", metavar="S",
                                              show_default=False),
     json_out: bool = JsonOpt,
-    json_file: Optional[Path] = typer.Option(None, "--json-file", help="Write the JSON report to FILE"),
-    md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown summary to FILE"),
+    json_file: Optional[Path] = JsonFileOpt,
+    md_out: Optional[Path] = MarkdownOpt,
     *, cfg: Settings,
 ) -> None:
     """The JSON report (--json on stdout, --json-file) has the run's figures, every request's timings, messages and
     answer text (two runs can be compared answer by answer) and, with --family, each answer's verdict against the
     parent alone, computed here after the load (never during it). Progress goes to stderr, one line per request,
     then the summary (a table of the servers side by side)."""
-    from specquant_cli.bench import datasets, load, report
+    from specquant_cli.bench import datasets, load, report, stamp
 
     turns = turns if turns is not None else (1 if scenario == "single" else 3)
     if (url is None) == (servers is None):
@@ -124,8 +127,9 @@ def load_cmd(
     report.check_outputs({"--json-file": json_file, "--markdown": md_out},
                          inputs=[*dataset, *([cfg.config] if cfg.config else [])])
     cats = split_list(categories, "--categories", "category")
-    questions = [it.prompt for it in datasets.load(dataset, cats, limit)]
-    convs = load.conversations(scenario, questions, conversations, turns, system)
+    items = datasets.with_predictions(datasets.load(dataset, cats, limit, edits=edits), prediction)
+    convs = load.conversations(scenario, [it.prompt for it in items], conversations, turns, system,
+                               [it.prediction for it in items])
     if concurrency is None and rate is None:
         concurrency = 1
     starts = load.arrival_times(len(convs), rate, seed)
@@ -141,7 +145,8 @@ def load_cmd(
               "rate": rate, "seed": seed, "max_tokens": max_tokens, "temperature": 0,
               "system_tokens": (system_tokens or DEFAULT_SYSTEM_TOKENS) if system else None,
               "system_chars": len(system) if system else None, "extra_body": extra,
-              "datasets": [str(d) for d in dataset] or ["builtin"], "categories": cats, "limit": limit,
+              "datasets": [*(["edits"] if edits else []), *(str(d) for d in dataset)] or ["builtin"],
+              "categories": cats, "limit": limit, "prediction": prediction,
               "timeout_s": timeout,
               "request_timeout_s": request_timeout, "deadline_s": deadline}
     how = (f"{scenario}: {len(convs)} conversations × {turns} turns, "
@@ -154,12 +159,14 @@ def load_cmd(
     name = load.find_model(base, api_key, model, min(timeout, request_timeout, PROBE_TIMEOUT_S))
     target = load.Target(base, name, max_tokens, api_key, extra, timeout, request_timeout)
     err.print(f"bench load: {base}, model {name}, {how}", markup=False)
+    run_stamp = stamp.take(command_line(), None)  # the server's threads are its own
     results, summary = run.go(target)
     judged = None
     if family is not None and any(r.ok for r in results) and not _sampled(extra):
         judged = _judge(family, cfg, [results], max_tokens)[0]
     rep = {
-        "command": command_line(),
+        "command": run_stamp["command"],
+        "stamp": run_stamp,
         "server": {"url": base, "model": name},
         "config": config,
         "summary": summary,
@@ -213,14 +220,15 @@ def _side_by_side(servers: str, llama_server: Optional[Path], family, cfg: Setti
                   json_out: bool, json_file: Optional[Path], md_out: Optional[Path]) -> None:
     """Each of `servers` started fresh (bench.sides), loaded by `run`, stopped, `repeat` times in turn; then every
     answer judged against the parent alone here."""
-    from specquant_cli.bench import load, report, sides
+    from specquant_cli.bench import load, report, sides, stamp
     from specquant_cli.routing.policies import check_policy
     from specquant_cli.session import bind_parent
     from specquant_cli.settings import SessionSettings
 
     if llama_server is not None and not (llama_server.is_file() and os.access(llama_server, os.X_OK)):
         raise InputError(f"--llama-server {llama_server}: not an executable file")
-    contenders = sides.contenders(servers, lambda name: check_policy(name, family.roles()), llama_server)
+    contenders = sides.contenders(servers, lambda name: check_policy(name, family.roles(), family.siblings()),
+                                  llama_server)
     if any(c.is_llama and c.what == "draft-sibling" for c in contenders) and "sibling" not in family.siblings():
         raise InputError(f"--servers llama:draft-sibling: the family {family.name} has no sibling draft model")
     family = bind_parent(family, SessionSettings.of(cfg))
@@ -230,6 +238,7 @@ def _side_by_side(servers: str, llama_server: Optional[Path], family, cfg: Setti
 
         parallel = parallel_for(family, None, cfg.runtime.threads, [])[0]
     setup = sides.Setup(family, parallel, cfg.runtime.ctx, cfg.runtime.threads, llama_server, max_tokens)
+    run_stamp = stamp.take(command_line(), setup.threads)
     err.print(f"bench load: {len(contenders)} servers, each started fresh at --parallel {setup.parallel}"
               + (f", {repeat} times in turn" if repeat > 1 else "") + f"; {how}", markup=False)
 
@@ -244,7 +253,7 @@ def _side_by_side(servers: str, llama_server: Optional[Path], family, cfg: Setti
     judged = [None] * len(runs) if _sampled(extra) else _judge(family, cfg, [r.results for r in runs], max_tokens)
     for r, j in zip(runs, judged):
         r.fidelity = j
-    rep = sides.report(runs, contenders, setup, config, command_line())
+    rep = sides.report(runs, contenders, setup, config, run_stamp)
     err.print(sides.markdown(rep), markup=False)
     failure = report.write_outputs(rep, json_file, md_out, render=sides.markdown)
     if json_out:
@@ -322,6 +331,8 @@ def _summary_line(s: dict, judged: Optional[dict]) -> str:
     line = (f"{n['succeeded']}/{n['planned']} requests in {s['wall_s']:.1f} s: {s['request_throughput']} req/s, "
             f"{s['output_tokens_per_s']} tok/s, TTFT p50 {p50}, goodput {g['requests']} ({g['share']:.0%})"
             if g["share"] is not None else f"{n['succeeded']}/{n['planned']} requests")
+    if s.get("prediction_accepted") is not None:
+        line += f"; prediction {s['prediction_accepted']} accepted / {s['prediction_rejected']} rejected"
     if judged is not None:
         line += (f"; fidelity {judged['identical']} identical / {judged['near_tie']} near-tie / "
                  f"{judged['unexplained']} unexplained")

@@ -8,31 +8,30 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import JsonOpt, command_line, int_list, with_settings
+from specquant_cli.commands.options import JsonFileOpt, JsonOpt, MarkdownOpt, command_line, int_list, with_settings
 from specquant_cli.console import err, out_json
 from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
-    app.command("prefill", help="A long prompt beside a running stream: for each --prefill-chunk value a server "
-                                "started fresh (--parallel 2), one stream counting while a long unrelated prompt "
-                                "arrives; the long prompt's time to its first token and the stream's gaps during "
-                                "its prefill.")(prefill)
+    app.command("prefill", short_help="A long prompt's prefill beside a stream",
+                help="A long prompt beside a running stream, a server started fresh for each --prefill-chunk "
+                     "value: the long prompt's time to its first token and the stream's gaps during it.")(prefill)
 
 
 @with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "decoding.policy")
 def prefill(
-    chunks: str = typer.Option("512,128,64", "--prefill-chunk", help="Comma-separated prefill chunks to compare "
-                               "(tokens a prompt adds per batch round while others decode)"),
-    b_tokens: int = typer.Option(1200, "--prompt-tokens", min=64, max=32768, help="Approximate length of the "
-                                 "long prompt"),
+    chunks: str = typer.Option("512,128,64", "--prefill-chunk", help="Prefill chunks to compare, comma-separated",
+                               metavar="N,…"),
+    b_tokens: int = typer.Option(1200, "--prompt-tokens", min=64, max=32768,
+                                 help="Approximate length of the long prompt"),
     json_out: bool = JsonOpt,
-    json_file: Optional[Path] = typer.Option(None, "--json-file", help="Write the JSON report to FILE"),
-    md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write the table as markdown to FILE"),
+    json_file: Optional[Path] = JsonFileOpt,
+    md_out: Optional[Path] = MarkdownOpt,
     *, cfg: Settings,
 ) -> None:
     from specquant_cli.bench import prefill as bench_prefill
-    from specquant_cli.bench import report, sides
+    from specquant_cli.bench import report, sides, stamp
     from specquant_cli.commands.options import load_family
     from specquant_cli.errors import InputError
     from specquant_cli.routing.policies import check_policy
@@ -46,9 +45,10 @@ def prefill(
     if b_tokens + 64 > cfg.runtime.ctx:
         raise InputError(f"--prompt-tokens {b_tokens} does not fit --ctx {cfg.runtime.ctx}; raise --ctx")
     setup = sides.Setup(fam, 2, cfg.runtime.ctx, cfg.runtime.threads)
+    run_stamp = stamp.take(command_line(), cfg.runtime.threads)
     rows = bench_prefill.run(setup, ns, policy, b_tokens, lambda line: err.print(f"bench prefill: {line}",
                                                                                  markup=False))
-    rep = {"command": command_line(), "family": fam.name, "parent": fam.parent_rendering,
+    rep = {"command": run_stamp["command"], "stamp": run_stamp, "family": fam.name, "parent": fam.parent_rendering,
            "threads": cfg.runtime.threads, "config": {"chunks": ns, "policy": policy, "b_tokens": b_tokens},
            "rows": rows}
     err.print(bench_prefill.markdown(rep), markup=False)

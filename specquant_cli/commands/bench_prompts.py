@@ -10,16 +10,28 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import JsonOpt, command_line, split_list, with_settings
+from specquant_cli.commands.options import (
+    BENCH_MAX_TOKENS,
+    CategoriesOpt,
+    DatasetOpt,
+    JsonFileOpt,
+    JsonOpt,
+    MarkdownOpt,
+    PlotOpt,
+    command_line,
+    split_list,
+    with_settings,
+)
 from specquant_cli.console import err, out_json, stderr_reporter
 from specquant_cli.routing.policies import bench_policies
 from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
-    app.command("prompts", help="Policies side by side on the same prompts (a prompt set, or Spec-Bench / GSM8K "
-                                "files): speed end to end and in the decode phase, acceptance, fidelity to the "
-                                "parent, accuracy.")(prompts)
+    app.command("prompts", short_help="Policies side by side on prompt sets",
+                help="Policies side by side on the same prompts (the built-in set, Spec-Bench or GSM8K files): "
+                     "speed end to end and in decode, fidelity to the parent, acceptance. "
+                     "docs/benchmarking.md")(prompts)
 
 
 @with_settings("decoding.temperature", "decoding.seed", "decoding.gamma", "runtime.family",
@@ -27,26 +39,28 @@ def register(app: typer.Typer) -> None:
                "runtime.threads", "runtime.mmap", "runtime.rpc", "runtime.rpc_timeout",
                "decoding.draft_memory")
 def prompts(
-    dataset: list[Path] = typer.Option([], "--dataset", help="Spec-Bench-format JSONL (repeatable); "
-                                                             "default: the built-in prompt set"),
-    structured: bool = typer.Option(False, "--structured", help="The built-in structured-output set too (JSON "
-                                    "extraction with a json_schema or json_object, tool calls): each answer held to "
-                                    "its form; the report adds validity and the share of tokens the grammar forced"),
-    categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories"),
+    dataset: list[Path] = DatasetOpt,
+    structured: bool = typer.Option(False, "--structured", help="Add the built-in JSON and tool-call set"),
+    edits: bool = typer.Option(False, "--edits", help="Add the built-in code-edit set (each with a prediction)"),
+    prediction: str = typer.Option("on", "--prediction", metavar="MODE",
+                                   help="Predictions: on, off, or wrong (another item's)"),
+    categories: Optional[str] = CategoriesOpt,
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most N prompts per category"),
-    policies: str = typer.Option(",".join(bench_policies()), "--policies", help="Comma-separated policies"),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=1),
+    policies: str = typer.Option(",".join(bench_policies()), "--policies", help="Comma-separated policies",
+                                 metavar="NAMES", show_default="auto,paper,parent,…,q8"),
+    max_tokens: int = typer.Option(BENCH_MAX_TOKENS, "--max-tokens", min=1, help="New tokens per answer"),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Timed runs per prompt and policy"),
-    warmup: int = typer.Option(1, "--warmup", min=0, help="Warm-up generations per model before timing"),
+    warmup: int = typer.Option(1, "--warmup", min=0, help="Untimed runs per model first"),
     json_out: bool = JsonOpt,
-    json_file: Optional[Path] = typer.Option(None, "--json-file", help="Write the full report (records + summary)"),
-    md_out: Optional[Path] = typer.Option(None, "--markdown", help="Write a markdown report"),
-    plot_out: Optional[Path] = typer.Option(None, "--plot", help="PNG of speedup vs identical rate"),
+    json_file: Optional[Path] = JsonFileOpt,
+    md_out: Optional[Path] = MarkdownOpt,
+    plot_out: Optional[Path] = PlotOpt,
+    wide: bool = typer.Option(False, "--wide", help="Every column in the table"),
     *, cfg: Settings,
 ) -> None:
     """Greedy (--temperature 0, the default) is what identical_rate and the fidelity proof need; --seed defaults
     to 0 here, so that a sampled bench repeats."""
-    from specquant_cli.bench import datasets, fidelity, report, runner
+    from specquant_cli.bench import datasets, fidelity, report, runner, stamp
     from specquant_cli.decoding.sampling import SamplingParams
     from specquant_cli.family.fetch import INFLATION_NOTE
     from specquant_cli.routing.policies import check_policy
@@ -63,12 +77,13 @@ def prompts(
     if plot_out:
         report.check_plot_available()
     cats = split_list(categories, "--categories", "category")
-    items = datasets.load(dataset, cats, limit, structured)
+    items = datasets.with_predictions(datasets.load(dataset, cats, limit, structured, edits), prediction)
     facts = detect()
+    run_stamp = stamp.take(command_line(), cfg.runtime.threads)  # as the run begins
     session = open_session(SessionSettings.of(cfg, facts=facts), report=stderr_reporter(), warn_ctx=True)
     runtime, router, fam = session.runtime, session.router, session.runtime.family
     for p in names:
-        check_policy(p, fam.roles())  # before a model loads
+        check_policy(p, fam.roles(), fam.siblings())  # before a model loads
     err.print(f"parent: {fam.parent_why}", markup=False)
     # the F16 parent beside a parent of another rendering (the figure users know), run once the parent's own runs
     # are done and their models released: the bench holds one rendering of the parent at a time
@@ -99,24 +114,29 @@ def prompts(
     if reference:
         names = [*names[:1], runner.REFERENCE, *names[1:]]
     summary = report.summarize(records, names)
-    sets = [*(["structured"] if structured else []), *map(str, dataset)] or ["builtin"]
+    sets = [*(["structured"] if structured else []), *(["edits"] if edits else []), *map(str, dataset)] or ["builtin"]
     rep = {
-        "command": command_line(),
+        "command": run_stamp["command"],
+        "stamp": run_stamp,
         "machine": facts.to_dict(),
         "family": {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance, "caveat": INFLATION_NOTE,
                    "roles": fam.manifest.get("roles", {}),
                    "parent": {"rendering": fam.parent_rendering, "why": fam.parent_why}},
         "config": {"items": len(items), "policies": names, "max_tokens": max_tokens, "temperature": temperature,
                    "seed": seed, "repeats": repeats, "warmup": warmup, "gamma": cfg.decoding.gamma, "n_ctx": n_ctx,
-                   "datasets": sets, "categories": cats, "limit": limit},
+                   "datasets": sets, "categories": cats, "limit": limit, "prediction": prediction},
         "wall_s": round(time.perf_counter() - t0, 1),
         "peak_rss_mb": round(memory.run_peak_bytes() / 2**20, 1),
         "summary": summary,
+        "verdict": report.verdict(summary),
         "by_category": report.by_category(records, names),
         "fidelity": judged,
         "records": [r.to_dict() for r in records],
     }
-    err.print(report.rich_table(summary, f"{fam.name}: {len(items)} prompts, {max_tokens} new tokens"))
+    table = report.rich_table(summary, f"{fam.name}: {len(items)} prompts, {max_tokens} new tokens", wide)
+    err.print(report.whole(err, table) if wide else table)  # --wide: never a cell cut
+    if rep["verdict"]:
+        err.print(rep["verdict"], markup=False, soft_wrap=True)
     for line in report.levels_lines(summary)[1:]:  # acceptance and time per drafting level
         err.print(line, markup=False, soft_wrap=True)
     err.print(f"provenance: {fam.provenance}\ncaveat: {INFLATION_NOTE}", markup=False)

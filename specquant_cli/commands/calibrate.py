@@ -8,15 +8,15 @@ from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
-    app.command("calibrate", help="Measure this machine's call costs for a family (the auto policy's cost model); "
-                                  "cached in the family folder (in the user cache when that folder "
-                                  "is read-only).")(calibrate)
+    app.command("calibrate", short_help="Measure this machine's costs for auto",
+                help="Measure this machine's call costs for a family (the auto policy's cost model); cached in the "
+                     "family folder, or in the user cache when that folder is read-only.")(calibrate)
 
 
 @with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc",
                "runtime.rpc_timeout")
 def calibrate(
-    force: bool = typer.Option(False, "--force", help="Measure again even when this machine's costs are cached"),
+    force: bool = typer.Option(False, "--force", help="Measure again even when cached"),
     json_out: bool = JsonOpt,
     *, cfg: Settings,
 ) -> None:
@@ -37,7 +37,8 @@ def calibrate(
     if json_out:
         out_json({**c.to_dict(), "parent": {"rendering": fam.parent_rendering, "why": why}})
         return
-    calls = " · ".join(f"{n}: {s * 1000:.1f}" for n, s in sorted(c.parent_call_s.items()) if n in (1, 2, 4, 8, 16))
+    calls = " · ".join(f"{n}: {s * 1000:.1f}" for n, s in sorted(c.parent_call_s.items())
+                       if n in (1, 2, 4, 8, 16, 32, 64))
     err.print(f"{fam.name} on this machine (measured {c.measured_at}):", markup=False)
     err.print(f"  parent: {why}", markup=False)
     if c.renderings:
@@ -64,8 +65,17 @@ def calibrate(
 
 
 def _measured(runtime, force: bool):
-    """(the runtime's bound family, its calibration measured or read), the runtime closed after."""
+    """(the runtime's bound family, its calibration measured or read), the runtime closed after. A stored one measured
+    before the parent's long calls were (system.calibration.LONG_CALLS) is measured again: a session plans a copied
+    answer within the calls measured."""
+    from specquant_cli.system.calibration import LONG_CALLS, PREFILL_TOKENS
+
     try:
-        return runtime.family, runtime.calibration(force=force, require_save=True)  # unsaveable: refused first
+        c = runtime.calibration(force=force, require_save=True)  # unsaveable: refused first
+        if c.longest_call < max(LONG_CALLS) and runtime.pool.n_ctx >= PREFILL_TOKENS + max(LONG_CALLS):
+            err.print(f"calibration: stored before parent calls of up to {max(LONG_CALLS)} tokens were measured; "
+                      "measuring again", markup=False)
+            c = runtime.calibration(force=True, require_save=True)
+        return runtime.family, c
     finally:
         runtime.close()

@@ -12,19 +12,19 @@ from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
-    app.command("calibrate-activations",
-                help="Collect the F16's activation statistics (an importance matrix) over a calibration text through "
-                     "llama.cpp's eval callback; stored as imatrix.gguf in the family folder, for the q4i/q3g "
-                     "draft recipes of specquant quantize.")(calibrate_activations)
+    app.command("calibrate-activations", short_help="Collect an importance matrix for draft recipes",
+                help="Collect the F16's activation statistics (an importance matrix) over a calibration text; "
+                     "stored as imatrix.gguf in the family folder for the q4i/q3g draft recipes of "
+                     "quantize.")(calibrate_activations)
 
 
 @with_settings("runtime.family", "runtime.threads")
 def calibrate_activations(
     calibration: Optional[Path] = typer.Option(None, "--calibration",
-                                               help="UTF-8 text to calibrate on (default: the built-in mixed set of "
-                                                    "chat, code and prose, ~4k tokens)"),
-    tokens: int = typer.Option(4096, "--tokens", min=16, help="Use at most this many calibration tokens"),
-    chunk: int = typer.Option(512, "--chunk", min=32, max=8192, help="Tokens per forward pass (a fresh cache each)"),
+                                               help="UTF-8 text to calibrate on",
+                                               show_default="built-in", metavar="FILE"),
+    tokens: int = typer.Option(4096, "--tokens", min=16, help="Calibration tokens at most"),
+    chunk: int = typer.Option(512, "--chunk", min=32, max=8192, help="Tokens per forward pass"),
     json_out: bool = JsonOpt,
     *, cfg: Settings,
 ) -> None:

@@ -4,22 +4,21 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import JsonOpt, with_settings
+from specquant_cli.commands.options import CHAT_MAX_TOKENS, JsonOpt, with_settings
 from specquant_cli.console import err, out, out_json, stderr_reporter
 from specquant_cli.inputs import check_text, read_prompt, stdin_is_tty
 from specquant_cli.settings import Settings
 
-HELP = """Chat with a family: routed, speculative, lossless unless the policy says otherwise.
+HELP = """Chat with a family: each prompt routed and planned, lossless unless the policy says it is lossy.
 
-Interactive when stdin is a terminal and no PROMPT is given (or with -i). Otherwise stdin is read only when
-no PROMPT is given or a PROMPT is '-' (chat "Summarize:" - < file joins them); with --each-line every
-non-empty line (split on \\n only) is its own prompt."""
+Interactive on a terminal, or with -i. Otherwise one answer to PROMPT, or to stdin when no PROMPT is given or \
+PROMPT is '-' (chat "Summarize:" - < file joins them); --each-line answers every line. docs/usage.md"""
 
 COMMANDS_HELP = "/stats  /route [TEXT]  /policy NAME  /reset  /exit   (Ctrl-C stops an answer, Ctrl-D quits)"
 
 
 def register(app: typer.Typer) -> None:
-    app.command("chat", help=HELP)(chat)
+    app.command("chat", help=HELP, short_help="Chat with a family, interactively or from a pipe")(chat)
 
 
 SETTINGS = ("decoding.policy", "decoding.temperature", "decoding.top_p", "decoding.top_k", "decoding.seed",
@@ -31,7 +30,7 @@ SETTINGS = ("decoding.policy", "decoding.temperature", "decoding.top_p", "decodi
 @with_settings(*SETTINGS)
 def chat(
     prompt: Optional[list[str]] = typer.Argument(None, help="Prompt text; '-' stands for stdin", show_default=False),
-    max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="New tokens per answer"),
+    max_tokens: int = typer.Option(CHAT_MAX_TOKENS, "--max-tokens", min=1, help="New tokens per answer"),
     system: Optional[str] = typer.Option(None, "--system", help="System message"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)"),
     json_out: bool = JsonOpt,
@@ -39,8 +38,9 @@ def chat(
     stats: bool = typer.Option(False, "--stats", help="Print generation stats to stderr"),
     interactive: bool = typer.Option(False, "--interactive", "-i", help="Interactive even when stdin is piped"),
     json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE",
-                                              help="Every answer is JSON valid for this JSON Schema (constrained "
-                                                   "decoding; the tokens it forces are free drafts)"),
+                                              help="Hold every answer to this JSON Schema"),
+    predict: Optional[str] = typer.Option(None, "--predict", metavar="FILE",
+                                          help="A file the answer is expected to resemble (drafted from, lossless)"),
     *, cfg: Settings,
 ) -> None:
     from specquant_cli.decoding.sampling import SamplingParams
@@ -53,11 +53,13 @@ def chat(
     for s in stop:
         check_text(s, "--stop")
     is_interactive = interactive or (not prompt and stdin_is_tty())
+    prediction = _prediction(predict, prompt, is_interactive)
     prompts = [] if is_interactive else _prompts(prompt, each_line)
     session = open_session(SessionSettings.of(cfg, sampling=SamplingParams(d.temperature, d.top_k, d.top_p, d.seed),
                                               max_tokens=max_tokens, system=system, stop=tuple(stop)),
                            report=stderr_reporter(), warn_ctx=True)
     runtime = session.runtime
+    session.prediction = prediction
     try:
         if json_schema is not None:
             from specquant_cli.decoding.grammar import schema_file
@@ -72,6 +74,33 @@ def chat(
         runtime.close()
 
 
+MAX_PREDICTION_BYTES = 16 << 20  # a prediction is at most a context of tokens: far less than this
+
+
+def _prediction(path: Optional[str], prompt: Optional[list[str]], interactive: bool) -> Optional[str]:
+    """The text of --predict FILE ('-': stdin, when neither the prompt nor an interactive session reads it); None
+    without --predict."""
+    from specquant_cli.errors import InputError
+    from specquant_cli.inputs import decode_input, read_stdin
+
+    if path is None:
+        return None
+    check_text(path, "--predict")
+    if path == "-":
+        if interactive or not prompt or "-" in prompt:
+            raise InputError("--predict - reads stdin, which the prompt reads too; give the prompt as an argument "
+                             "(or the prediction as a file)")
+        return read_stdin()
+    from pathlib import Path
+
+    from specquant_cli.fsutil import read_input_file
+
+    data = read_input_file(Path(path), "--predict", "file", MAX_PREDICTION_BYTES)
+    if len(data) > MAX_PREDICTION_BYTES:
+        raise InputError(f"--predict {path} is larger than {MAX_PREDICTION_BYTES >> 20} MiB")
+    return decode_input(data, f"--predict {path}")
+
+
 def _prompts(prompt: Optional[list[str]], each_line: bool) -> list[str]:
     text = read_prompt(prompt)
     if not each_line:
@@ -84,13 +113,15 @@ def _prompts(prompt: Optional[list[str]], each_line: bool) -> list[str]:
     return lines
 
 
-def _stats_line(answer) -> str:
+def _stats_line(answer, predicted: bool = False) -> str:
     s = answer.last.stats()
     lossy = " [lossy]" if answer.plan.lossy else ""
+    prediction = (f", prediction {s['prediction_accepted']} accepted / {s['prediction_rejected']} rejected"
+                  if predicted else "")
     return (f"[{answer.route.tier} {answer.route.score:.2f} → {answer.plan.describe()}{lossy}] "
             f"{s['new_tokens']} tokens in {s['total_s']:.2f}s, {s['tokens_per_s']:.1f} tok/s, "
             f"accepted {s['accepted']}/{s['drafted']} ({s['acceptance_rate']:.0%}), "
-            f"{s['mean_accepted_length']:.2f} tokens/parent call, finish {s['finish_reason']}")
+            f"{s['mean_accepted_length']:.2f} tokens/parent call{prediction}, finish {s['finish_reason']}")
 
 
 def _one(session, text: str, json_out: bool, stats: bool) -> None:
@@ -105,7 +136,7 @@ def _one(session, text: str, json_out: bool, stats: bool) -> None:
     else:
         out("")
     if stats:
-        err.print(_stats_line(answer), markup=False)
+        err.print(_stats_line(answer, bool(session.prediction)), markup=False)
     if answer.last is not None and answer.last.finish_reason == "interrupted":
         raise KeyboardInterrupt  # Ctrl-C stops the whole batch (exit 130), not just this answer
     _check_complete(session, answer)
@@ -169,7 +200,7 @@ def _interactive(session, stats: bool) -> None:
         if answer.last.finish_reason == "interrupted":
             err.print("(answer stopped)")
         if stats:
-            err.print(_stats_line(answer), markup=False)
+            err.print(_stats_line(answer, bool(session.prediction)), markup=False)
 
 
 def _command(session, line: str) -> Optional[str]:
@@ -183,7 +214,8 @@ def _command(session, line: str) -> Optional[str]:
         session.reset()
         err.print("history cleared")
     elif cmd == "/stats":
-        err.print(_stats_line(session.last) if session.last else "no answer yet", markup=False)
+        err.print(_stats_line(session.last, bool(session.prediction)) if session.last else "no answer yet",
+                  markup=False)
     elif cmd == "/route":
         text = arg or (session.last.prompt if session.last else "")
         if not text:

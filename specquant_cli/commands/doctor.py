@@ -13,15 +13,17 @@ from specquant_cli.settings import Settings, decide_cache_ram, resolve_all
 
 
 def register(app: typer.Typer) -> None:
-    app.command("doctor", help="What this machine can run: GPUs (NVML), host (psutil), and a placement plan.")(doctor)
+    app.command("doctor", short_help="Check this machine, the build and a family",
+                help="What this machine can run: hardware (NVML, psutil), the llama.cpp build, the settings that "
+                     "differ from the defaults (--all: every one), and a family's files and plans.")(doctor)
 
 
 @with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.rpc",
                "runtime.rpc_timeout")
 def doctor(
-    verify: bool = typer.Option(False, "--verify", help="With --family: also check each file's sha256"),
-    run_selftest: bool = typer.Option(False, "--selftest", help="Run the llama.cpp build's self-test again "
-                                      "(a decode per weight type, in child processes); exit 1 if it fails"),
+    verify: bool = typer.Option(False, "--verify", help="Check each family file's sha256 too"),
+    run_selftest: bool = typer.Option(False, "--selftest", help="Run the build's self-test again (exit 1 on failure)"),
+    all_settings: bool = typer.Option(False, "--all", help="List every setting, not only those changed"),
     json_out: bool = JsonOpt,
     *, cfg: Settings,
 ) -> None:
@@ -52,7 +54,7 @@ def doctor(
         if not fam.renderings():  # no draft verifies, nothing is lossless: a family that runs no policy
             checks[PARENT_ROLE] = ("missing: the family has no parent (an f16 or bf16 rendering of its base, or the "
                                    "quantized file itself), which every draft verifies against; specquant quantize "
-                                   "BASE --types f16 --out FOLDER adds it")
+                                   "BASE --types f16 --family FOLDER adds it")
         else:
             from specquant_cli.system.renderings import decide
 
@@ -82,7 +84,7 @@ def doctor(
     if json_out:
         out_json(report)
     else:
-        _render(report)
+        _render(report, all_settings)
     if st is not None and not st.ok:
         from specquant_cli.errors import LlamaError
 
@@ -158,7 +160,7 @@ def _render_rpc(r: dict) -> None:
                   f"{', '.join(p['local']) or 'nothing'} here: {verdict}")
 
 
-def _render(report: dict) -> None:
+def _render(report: dict, all_settings: bool = False) -> None:
     hw = report["hardware"]
     t = Table(title="hardware", show_header=False)
     if hw["gpus"]:
@@ -175,12 +177,7 @@ def _render(report: dict) -> None:
     err.print(t)
     if report.get("advice"):
         err.print(f"[yellow]advice:[/] {report['advice']}")
-    s = Table(title="settings (specquant.toml < SPECQUANT_* < flags; machine: decided here)")
-    for col in ("setting", "value", "from"):
-        s.add_column(col)
-    for key, v in report["settings"].items():
-        s.add_row(key, escape(str(v["value"])), escape(v["source"] + (f" ({v['from']})" if "from" in v else "")))
-    err.print(s)
+    _render_settings(report["settings"], all_settings)
     if report.get("rpc"):
         _render_rpc(report["rpc"])
     if "placements" in report:
@@ -215,6 +212,21 @@ def _render(report: dict) -> None:
             err.print("calibration: none for this machine yet (specquant calibrate, or the first auto answer)")
 
 
+def _render_settings(settings: dict, all_settings: bool) -> None:
+    """The settings table: those not at their default (given, or decided by this machine), or with --all every one."""
+    shown = {k: v for k, v in settings.items() if all_settings or v["source"] != "default"}
+    if not shown:
+        err.print("settings: every one at its default (doctor --all lists them)", markup=False)
+        return
+    title = "settings" if all_settings else f"settings not at their default ({len(shown)} of {len(settings)}; --all)"
+    s = Table(title=f"{title}: specquant.toml < SPECQUANT_* < flags; machine: decided here")
+    for col in ("setting", "value", "from"):
+        s.add_column(col)
+    for key, v in shown.items():
+        s.add_row(key, escape(str(v["value"])), escape(v["source"] + (f" ({v['from']})" if "from" in v else "")))
+    err.print(s)
+
+
 def _render_plans(plans: dict, available: int) -> None:
     t = Table(title=f"resident estimate per plan (weights + KV cache + compute), RAM available {gib(available)}")
     for col in ("plan", "models", "resident", "fits"):
@@ -234,6 +246,7 @@ def _render_build(t: Table, b: dict) -> None:
     if st is None:
         t.add_row("self-test", "not run yet for this build and CPU (doctor --selftest; the first model load runs it)")
     elif st["ok"]:
-        t.add_row("self-test", f"passed: {', '.join(st['types'])} ({st['seconds']:.1f} s, {st['at']})")
+        on = f" on the CPU and the GPU ({st['gpu']})" if st.get("gpu") else ""
+        t.add_row("self-test", f"passed: {', '.join(st['types'])}{on} ({st['seconds']:.1f} s, {st['at']})")
     else:
         t.add_row("self-test", f"[red]failed[/]: {escape(st['error'] or '')}")

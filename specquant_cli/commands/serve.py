@@ -5,17 +5,10 @@ import typer
 from specquant_cli.commands.options import load_family, with_settings
 from specquant_cli.settings import Settings
 
-HELP = ("Serve a family over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models, "
-        "/health.\n\n"
-        "Concurrent requests decode together (--parallel): each in its own sequence, with its own plan, and every "
-        "parent call shared by all that need one; the rest wait in a bounded queue (a full queue answers 429). The "
-        "policy per request comes from the body's specquant_policy or the x-specquant-policy header, else --policy. "
-        "Binds to 127.0.0.1 unless --host says otherwise; with --api-key (or $SPECQUANT_API_KEY; repeat it, or give "
-        "--api-key-file, for several) every /v1 request needs Authorization: Bearer KEY (GET /health, which then "
-        "says only whether the server lives, and the chat page at / do not). Each key is a tenant: the prompt cache, "
-        "the slots' cells and the drafting memory are never shared across keys (a request's cache_salt narrows "
-        "them further); a server without a key is one tenant. One log line per request on "
-        "stderr; SIGINT/SIGTERM stop cleanly.")
+HELP = ("Serve a family over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models), "
+        "with a chat page at /.\n\n"
+        "Requests decode together (--parallel), each with its own plan (the body's specquant_policy, else "
+        "--policy). Loopback unless --host says otherwise; each --api-key is a tenant. docs/serve.md")
 
 SETTINGS = ("decoding.policy", "serving.policies", "serving.host", "serving.port", "serving.api_key",
             "serving.allow_host", "serving.cors_origin",
@@ -28,7 +21,7 @@ SETTINGS = ("decoding.policy", "serving.policies", "serving.host", "serving.port
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve", help=HELP)(serve)
+    app.command("serve", help=HELP, short_help="Serve the OpenAI-compatible HTTP API")(serve)
 
 
 @with_settings(*SETTINGS)

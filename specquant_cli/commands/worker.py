@@ -19,25 +19,27 @@ from specquant_cli.errors import InputError, ResourceError
 from specquant_cli.settings import Settings
 from specquant_cli.system.rpc import DEFAULT_PORT
 
-HELP = ("Serve this machine's CPU to a specquant parent elsewhere (llama.cpp RPC: `--rpc HOST:PORT` there). The "
-        "protocol has no authentication or encryption: loopback by default; any other address needs "
-        "--allow-remote, and only on a trusted network (or behind an SSH tunnel / WireGuard).")
+HELP = ("Serve this machine's CPU to a specquant parent elsewhere (llama.cpp RPC; there: --rpc HOST:PORT).\n\n"
+        "The protocol has no authentication or encryption: loopback by default; any other address needs "
+        "--allow-remote, on a trusted network only (or behind an SSH tunnel / WireGuard).")
 _MEM_CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
 _keep: list = []  # ctypes callbacks ggml holds
 MAX_MEM_GIB = float(1 << 20)  # 1 PiB: more is no memory anyone has (and overflows ggml's size_t)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("worker", help=HELP)(worker)
+    app.command("worker", help=HELP, short_help="Lend this CPU to a parent (llama.cpp RPC)")(worker)
 
 
 @with_settings("runtime.threads")
 def worker(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless --allow-remote)"),
-    port: int = typer.Option(DEFAULT_PORT, "--port", min=1, max=65535, help="TCP port"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind", metavar="ADDR"),
+    port: int = typer.Option(DEFAULT_PORT, "--port", min=1, max=65535, help="TCP port", metavar="PORT"),
     mem: Optional[float] = typer.Option(None, "--mem", min=0.01, max=MAX_MEM_GIB, callback=finite,
-                                        help="GiB of memory offered (default: available RAM)"),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Keep received tensors here (faster reloads)"),
+                                        help="GiB of memory offered", show_default="available RAM",
+                                        metavar="GIB"),
+    cache_dir: Optional[Path] = typer.Option(None, "--tensor-cache", "--cache-dir", metavar="DIR",
+                                             help="Keep received tensors here (faster reloads)"),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow a non-loopback --host (no auth!)"),
     *, cfg: Settings,
 ) -> None:

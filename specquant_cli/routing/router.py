@@ -1,7 +1,7 @@
 """Prompt complexity from spaCy features -> score in [0, 1] -> tier (low / medium / high).
 
 Every weight, cap and threshold lives in RouterConfig; `specquant.toml` (current dir) or `--config FILE`
-overrides them under a [router] table. Calibration: scripts/calibrate_router.py (see README)."""
+overrides them under a [router] table (docs/policies.md)."""
 
 from __future__ import annotations
 
