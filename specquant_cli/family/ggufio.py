@@ -412,26 +412,31 @@ def read_file_type(path: Path) -> str:
     """general.file_type of a GGUF whose header_problem() is None, as ftype_name() names it ("" when absent):
     the metadata is walked only up to that key, values skipped undecoded (a few ms for a 49k-token vocabulary).
     ModelFileError when the metadata runs past the end of the file."""
+    return _walked(Path(path), _file_types, _walk_to_file_type)
+
+
+_file_types: dict[tuple, str] = {}  # (dev, inode, size, mtime, ctime) -> file type: a file read once per process
+
+
+def _walked(path: Path, cache: dict, walk):
+    """`walk(buf)` of the GGUF at `path` mapped, once per file state ((dev, inode, size, mtime, ctime) -> result in
+    `cache`, at most 64 kept). ModelFileError when the file cannot be read or its metadata runs past its end."""
     import mmap
 
-    path = Path(path)
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-            if ident not in _file_types:
+            if ident not in cache:
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                    if len(_file_types) >= 64:
-                        _file_types.clear()
-                    _file_types[ident] = _walk_to_file_type(buf)
-            return _file_types[ident]
+                    if len(cache) >= 64:
+                        cache.clear()
+                    cache[ident] = walk(buf)
+            return cache[ident]
     except OSError as e:
         raise ModelFileError(f"{path}: cannot read it ({e.strerror})") from None
     except (struct.error, ValueError):
         raise ModelFileError(f"{path}: truncated or corrupt GGUF (metadata runs past the end of the file)") from None
-
-
-_file_types: dict[tuple, str] = {}  # (dev, inode, size, mtime, ctime) -> file type: a file read once per process
 
 # The hyperparameters a family records of each network (GGUFInfo.hparams, Family.hparams_of): `<arch>.<key>`.
 HPARAM_KEYS = ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv", "context_length",
@@ -444,26 +449,11 @@ def read_hparams(path: Path) -> dict[str, int]:
     metadata walked with values skipped undecoded, as read_file_type does (milliseconds for a 150k-token
     vocabulary), once per file state. What memory estimates size a KV cache from: the file's own header, never a
     manifest's copy. ModelFileError when the file cannot be read or its metadata runs past its end."""
-    import mmap
-
     path = Path(path)
     why = input_problem(path, "GGUF file") or header_problem(path)
     if why:
         raise ModelFileError(f"{path}: {why}")
-    try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-            if ident not in _hparams:
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                    if len(_hparams) >= 64:
-                        _hparams.clear()
-                    _hparams[ident] = _walk_hparams(buf)
-            return dict(_hparams[ident])
-    except OSError as e:
-        raise ModelFileError(f"{path}: cannot read it ({e.strerror})") from None
-    except (struct.error, ValueError):
-        raise ModelFileError(f"{path}: truncated or corrupt GGUF (metadata runs past the end of the file)") from None
+    return dict(_walked(path, _hparams, _walk_hparams))
 
 
 _hparams: dict[tuple, dict[str, int]] = {}
