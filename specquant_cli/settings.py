@@ -58,15 +58,26 @@ class SettingError(ValueError):
     """A value that is no value of its setting; the message says why, without naming where it came from."""
 
 
+def cores() -> int:
+    """The logical cores this process may run on: its CPU affinity where the system keeps one (a container's or
+    taskset's share of the machine, as Python 3.13's os.process_cpu_count), else every core; at least 1. What "every
+    core" means for a thread count: llama.cpp's threads beyond the cores a process may use only spin on each other."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 # -- checks: a converted value in, the value to use out (or SettingError) -------------------------------------------
 def check_threads(n: int) -> int:
-    """0 (every core) or 1 .. 4 x logical cores: more threads only wait on each other (100000 crashes llama.cpp)."""
-    cores = max(1, os.cpu_count() or 1)
+    """0 (every core: `cores()`) or 1 .. 4 x those cores: more threads only wait on each other (100000 crashes
+    llama.cpp)."""
+    cores_here = cores()
     if n < 0:
         raise SettingError("expected 0 (every core) or a positive integer")
-    if n > THREADS_PER_CORE * cores:
-        raise SettingError(f"at most {THREADS_PER_CORE * cores} threads on this machine "
-                           f"({THREADS_PER_CORE} × {cores} logical cores)")
+    if n > THREADS_PER_CORE * cores_here:
+        raise SettingError(f"at most {THREADS_PER_CORE * cores_here} threads on this machine "
+                           f"({THREADS_PER_CORE} × {cores_here} logical cores)")
     return n
 
 
@@ -737,8 +748,7 @@ def resolve(keys: Iterable[str], flags: Optional[Mapping[str, Any]] = None, conf
         values[key] = v
     cfg = Settings(values, toml_path)
     if "runtime.threads" in values and not cfg.get("runtime.threads"):
-        cfg = Settings({**values, "runtime.threads": Value(max(1, os.cpu_count() or 1), "machine",
-                                                           "every core")}, toml_path)
+        cfg = Settings({**values, "runtime.threads": Value(cores(), "machine", "every core")}, toml_path)
     return cfg
 
 

@@ -14,6 +14,21 @@ FAMILY_DIR = REPO / "models" / "smollm2-135m"
 PINNED_PARENT = "f16"  # the parent's rendering every test runs with unless it sets its own (see _isolate)
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (scripts/test.sh runs `-n` one worker per core), each worker runs on a core of its own:
+    every count of "every core" in it (settings.cores: its CPU affinity) is then its share, so no two workers' llama.cpp
+    threads spin on one core, and the processes it starts (servers, self-test children) inherit the share."""
+    import os
+
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()) or \
+            not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    share = [c for k, c in enumerate(cpus) if k % int(count) == int(worker[2:]) % int(count)]
+    os.sched_setaffinity(0, share or cpus)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def selftest_cache(tmp_path_factory) -> Iterator[Path]:
     """One XDG cache for the session, holding the llama.cpp build's self-test result: the suite runs the

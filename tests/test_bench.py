@@ -5,6 +5,7 @@ import pytest
 
 from specquant_cli.bench.datasets import builtin, extract_answer, final_answer, load
 from specquant_cli.bench.fidelity import NOISE_SAFETY_FACTOR
+from specquant_cli.settings import cores
 
 from conftest import run_cli
 
@@ -35,7 +36,7 @@ def test_json_schema(report):
     assert set(rep["by_category"]) == {"qa", "math"}
     st = rep["stamp"]
     assert set(st) == {"specquant", "commit", "python", "llama_cpp_python", "cpu", "threads", "date", "command"}
-    assert st["command"] == rep["command"] and st["threads"] == os.cpu_count() and st["cpu"]
+    assert st["command"] == rep["command"] and st["threads"] == cores() and st["cpu"]
     assert rep["verdict"].startswith("spec-q4 ran ") and "as fast as parent" in rep["verdict"]
     assert rep["verdict"].endswith("2/2 answers identical")
 

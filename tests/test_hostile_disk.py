@@ -22,10 +22,11 @@ import pytest
 from hostile_util import assert_clean_error, cli
 
 from specquant_cli.family.manifest import JOURNAL, LOCK, MANIFEST, PREV_MANIFEST, UNUSABLE_JOURNAL
+from specquant_cli.settings import cores
 
 STEM = "smollm2-135m"
 Q4, Q8, F16 = f"{STEM}-q4_k_m.gguf", f"{STEM}-q8_0.gguf", f"{STEM}-f16.gguf"
-CORES = os.cpu_count() or 1
+CORES = cores()
 LIMIT = 4 * CORES
 
 
@@ -388,13 +389,14 @@ def _interrupted_commit(root: Path, monkeypatch, renames, manifest) -> None:
 
 def _new_q8(root: Path) -> tuple[list, dict]:
     """An update: the q8 role gets the q4 file's content (as type q4_k_m), and a note."""
-    from specquant_cli.fsutil import create_temp
+    from specquant_cli.fsutil import create_temp, fingerprint
 
     fd, tmp = create_temp(root / Q8)
     os.close(fd)
     put(tmp, root / Q4)
     m = manifest_of(root)
-    m["variants"]["q8"].update(size_bytes=tmp.stat().st_size, type="q4_k_m")
+    m["variants"]["q8"].update(size_bytes=tmp.stat().st_size, type="q4_k_m", fingerprint=fingerprint(tmp),
+                              sha256=hashlib.sha256(tmp.read_bytes()).hexdigest())
     m["notes"]["marker"] = "new"
     return [(tmp, root / Q8)], m
 

@@ -5,7 +5,6 @@ auto planner's plan for a copied answer, priced from the measured call-cost curv
 from __future__ import annotations
 
 import json
-import os
 import uuid
 
 import httpx
@@ -401,8 +400,7 @@ def test_a_prediction_never_changes_a_sampled_answer(session, models):
 
 @pytest.mark.slow
 def test_chat_predict_reports_the_accounting(family_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 1)
-    base = ["chat", "--family", str(family_dir), "--max-tokens", str(N), "--ctx", "1024"]
+    base = ["chat", "--family", str(family_dir), "--max-tokens", str(N), "--ctx", "1024", "--threads", "1"]
     r = run_cli([*base, "--policy", "parent", ASK])
     assert r.exit_code == 0, r.stderr
     f = tmp_path / "expected.py"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import functools
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -101,7 +100,9 @@ def test_resolved_settings_are_not_changed_in_place_and_a_user_value_stays_their
 
 
 def test_threads_zero_is_every_core_from_any_source(tmp_path):
-    cores = max(1, os.cpu_count() or 1)
+    from specquant_cli.settings import cores as usable
+
+    cores = usable()
     for environ, flags in (({}, {}), ({"SPECQUANT_THREADS": "0"}, {}), ({}, {"runtime.threads": 0})):
         cfg = resolve(["runtime.threads"], flags=flags, environ=environ, cwd=tmp_path)
         assert cfg.runtime.threads == cores and cfg.source("runtime.threads") == "machine"

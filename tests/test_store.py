@@ -174,13 +174,13 @@ def test_list_shows_each_family_with_parent_drafts_size_calibration_and_folder(t
 
 
 def test_list_says_a_family_is_calibrated_for_this_machine(tiny, store, away):
+    from specquant_cli.settings import cores
     from specquant_cli.system import calibration_file as cal
     from specquant_cli.system import hardware
     from specquant_cli.system.calibration import Calibration
-
     fam = place(tiny, store / "fam")
     assert listed()[0]["calibrated"] is False
-    fp = cal.fingerprint(hardware.detect(), os.cpu_count(), None, parent="f16")  # list's: every core, no RPC
+    fp = cal.fingerprint(hardware.detect(), cores(), None, parent="f16")  # list's: every core, no RPC
     cal.save(fam, fp, Calibration(parent_call_s={1: 0.01, 2: 0.015}))
     [row] = listed()
     assert row["calibrated"] is True and row["calibrated_renderings"] == ["f16"]

@@ -26,6 +26,7 @@ import numpy as np
 from specquant_cli import interrupts
 from specquant_cli.errors import InputError, LlamaError, VocabMismatchError, check_cancelled
 from specquant_cli.names import LogitsMode
+from specquant_cli.settings import cores
 
 PIECE_BUF_BYTES = 256  # one token's text; longer pieces get a buffer of their own
 META_BUF_BYTES = 1 << 16  # a metadata value (chat templates run to a few KiB)
@@ -483,7 +484,7 @@ class Context(PrefixCache):
         import llama_cpp
 
         self.model = model
-        threads = check_threads(n_threads, "threads") if n_threads else max(1, os.cpu_count() or 1)
+        threads = check_threads(n_threads, "threads") if n_threads else cores()
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch

@@ -22,7 +22,7 @@ import numpy as np
 from specquant_cli.backend import selftest
 from specquant_cli.backend.llama import GPU_DEVICE_TYPES, Context, Model, backend_devices, llama_log_to
 from specquant_cli.backend.tiny import write_tiny_llama
-from specquant_cli.settings import env
+from specquant_cli.settings import cores, env
 
 GPU_AGREEMENT = 0.25  # the largest |GPU - CPU| logit difference allowed, as a share of the CPU logits' spread
 
@@ -36,7 +36,7 @@ def _decode_rows(path: Path, n_gpu_layers: int, steps: Optional[list[int]] = Non
     """Logits of a 16-token batch then 4 single steps: each the batch's argmax (or `steps`, to follow another
     decode's tokens)."""
     with Model(path, n_gpu_layers=n_gpu_layers) as m:
-        ctx = Context(m, n_ctx=128, n_batch=32, n_threads=min(4, os.cpu_count() or 1))
+        ctx = Context(m, n_ctx=128, n_batch=32, n_threads=min(4, cores()))
         ctx.decode(list(range(1, 17)), logits="all")
         rows = [ctx.logits(i).copy() for i in range(16)]  # views are valid only until the next decode
         for k in range(4):

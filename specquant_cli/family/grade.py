@@ -33,6 +33,7 @@ import numpy as np
 
 from specquant_cli.errors import InputError, LlamaError
 from specquant_cli.family.variants import LADDER
+from specquant_cli.settings import cores
 
 MAX_ROWS = 1024  # rows sampled per tensor for the error estimate (rows quantize independently)
 # Token embeddings that are only looked up (models with a separate output.weight) meet no activations: a
@@ -251,7 +252,7 @@ def measure(base: Path, importance: dict[str, np.ndarray], ladder: Sequence[str]
         return TensorCost(t.name, rows * cols, cols, rel, ab)
 
     costs, done, total = [], 0, sum(int(t.n_bytes) for t in todo)
-    with ThreadPoolExecutor(max_workers=max(1, threads or os.cpu_count() or 1)) as ex:
+    with ThreadPoolExecutor(max_workers=threads or cores()) as ex:
         for t, c in zip(todo, ex.map(one, todo)):
             costs.append(c)
             done += int(t.n_bytes)

@@ -1,4 +1,9 @@
-"""Base GGUF -> quantized variants through llama.cpp's own quantizer (`llama_model_quantize`)."""
+"""Base GGUF -> quantized variants through llama.cpp's own quantizer (`llama_model_quantize`).
+
+Why one file of ~540 lines: one update of a family, from the plan of its steps (keep, build, derive, place) to the
+commit, and the three makers of the temp files it stages (quantize_one, derive_f16, stage_copy), which share one
+hand-over rule (a finished temp file passes to the caller's list with Ctrl-C held back, so an interrupt never orphans
+one); split, that rule would be kept in two places."""
 
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from specquant_cli.fsutil import (
 )
 from specquant_cli.interrupts import deferred
 from specquant_cli.names import CALIBRATION
+from specquant_cli.settings import cores
 
 ProgressFn = Callable[[str, int, int], None]  # (type name, bytes written, expected bytes)
 WarnFn = Callable[[str], None]
@@ -138,9 +144,11 @@ def check_disk(out_dir: Path, needed: int) -> None:
 
 
 def quantize_one(src: Path, dst: Path, q: QuantType, expected: int, threads: int, allow_requantize: bool,
-                 log_fd: int, progress: Optional[ProgressFn]) -> Path:
+                 log_fd: int, progress: Optional[ProgressFn], keep: Optional[Callable[[Path], None]] = None) -> Path:
     """Quantize `src` into a new temp file beside `dst` in a child process (quantize_worker), report its
-    growing size, check the result, and return the finished temp file; the caller commits it.
+    growing size, check the result, and return the finished temp file; the caller commits it. `keep` is handed
+    the finished temp file with Ctrl-C held back: from then on it is the caller's to remove (no signal can land
+    between this function's clean-up and the caller's).
 
     Ctrl-C or SIGTERM kills the child and removes the temp file; nothing under `dst` is touched here."""
     done, tmp = False, None
@@ -156,6 +164,7 @@ def quantize_one(src: Path, dst: Path, q: QuantType, expected: int, threads: int
         size = check_output(tmp, q.name, dst.parent / LOG)
         if progress:
             progress(q.name, size, size)
+        _hand_over(tmp, keep)
         done = True
         return tmp
     finally:
@@ -163,30 +172,44 @@ def quantize_one(src: Path, dst: Path, q: QuantType, expected: int, threads: int
             tmp.unlink(missing_ok=True)
 
 
-def stage_copy(src: Path, dst: Path) -> Path:
+def _hand_over(tmp: Path, keep: Optional[Callable[[Path], None]]) -> None:
+    """Give the finished temp file `tmp` to `keep` (the caller's list of files to commit or remove) with Ctrl-C
+    held back, so that a signal never lands after the maker's clean-up was done with and before the caller's
+    starts: the file would be left behind, named by nobody."""
+    if keep is not None:
+        with deferred():
+            keep(tmp)
+
+
+def stage_copy(src: Path, dst: Path, keep: Optional[Callable[[Path], None]] = None) -> Path:
     """A new temp file beside `dst` with `src`'s content: a hard link when possible, else a copy. A symbolic link
     given as `src` is resolved first: the family gets the file it names (link(2) would link the link itself, which
-    points elsewhere, or nowhere once the folder moves)."""
+    points elsewhere, or nowhere once the folder moves). `keep` as in quantize_one."""
     src = Path(os.path.realpath(src))
     for _ in range(64):
         tmp = dst.with_name(temp_name(dst.name))
         try:
-            os.link(src, tmp)  # exclusive: fails on any existing name, never follows one
+            with deferred():  # the link and its hand-over as one step: a Ctrl-C between them would orphan it
+                os.link(src, tmp)  # exclusive: fails on any existing name, never follows one
+                if keep is not None:
+                    keep(tmp)
             return tmp
         except FileExistsError:
             continue
         except OSError:
             break
-    tmp = None
+    tmp, done = None, False
     try:
-        fd, tmp = create_temp(dst)
+        with deferred():
+            fd, tmp = create_temp(dst)
         with open(fd, "wb") as out, open(src, "rb") as f:
             shutil.copyfileobj(f, out, 16 << 20)
         fsync_file(tmp)
-    except BaseException:
-        if tmp is not None:
+        _hand_over(tmp, keep)
+        done = True
+    finally:
+        if not done and tmp is not None:
             tmp.unlink(missing_ok=True)
-        raise
     return tmp
 
 
@@ -374,14 +397,20 @@ def _set_aside(mpath: Path, why: str, warn: WarnFn) -> None:
         warn(f"{mpath}: unusable ({why}); the link is replaced, its target left alone")
         return
     aside = mpath.with_name(UNUSABLE_MANIFEST)
-    commit_temp(stage_copy(mpath, aside), aside)
+    held: list[Path] = []
+    try:
+        commit_temp(stage_copy(mpath, aside, keep=held.append), aside)
+    finally:
+        for t in held:
+            t.unlink(missing_ok=True)  # gone once renamed: only an interrupted copy is removed here
     warn(f"{mpath}: unusable ({why}); kept as {UNUSABLE_MANIFEST}, a new one is written")
 
 
-def derive_f16(base: Path, dst: Path, if_exact: bool, warn: WarnFn,
-               progress: Optional[ProgressFn]) -> Optional[Path]:
+def derive_f16(base: Path, dst: Path, if_exact: bool, warn: WarnFn, progress: Optional[ProgressFn],
+               keep: Optional[Callable[[Path], None]] = None) -> Optional[Path]:
     """The F16 rendering of the BF16 `base` as a finished temp file beside `dst` (ggufio.f16_of_bf16), or None
-    when it would not be exact and `if_exact` (warned); InputError when it would not be exact otherwise."""
+    when it would not be exact and `if_exact` (warned); InputError when it would not be exact otherwise. `keep`
+    as in quantize_one."""
     done, tmp = False, None
     try:
         with deferred():
@@ -399,11 +428,17 @@ def derive_f16(base: Path, dst: Path, if_exact: bool, warn: WarnFn,
             warn(f"no F16 rendering: {e}; the BF16 base is the family's only parent rendering")
             return None
         fsync_file(tmp)
+        _hand_over(tmp, keep)
         done = True
         return tmp
     finally:
         if not done and tmp is not None:
             tmp.unlink(missing_ok=True)
+
+
+def _stager(staged: list, step: Step) -> Callable[[Path], None]:
+    """The `keep` of quantize_one, derive_f16 and stage_copy that files a finished temp under its step."""
+    return lambda tmp: staged.append((tmp, step))
 
 
 def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, threads: int = 0,
@@ -461,27 +496,23 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
                       and base.stat().st_dev != out_dir.stat().st_dev)
         check_disk(out_dir, needed)
         _warn_without_parent(steps, old if same_base else None, warn)
-        threads = threads or os.cpu_count() or 1
+        threads = threads or cores()
         staged: list[tuple[Path, Step]] = []
         try:
             if builds:
                 log_fd = open_log(out_dir)  # this run's log only (the previous run's is replaced)
                 try:
                     for s in builds:
-                        tmp = quantize_one(base, s.dst, s.q, estimate_bytes(info, s.q), threads, allow_requantize,
-                                           log_fd, progress)
-                        staged.append((tmp, s))
+                        quantize_one(base, s.dst, s.q, estimate_bytes(info, s.q), threads, allow_requantize,
+                                     log_fd, progress, keep=_stager(staged, s))
                 finally:
                     os.close(log_fd)
             for s in [s for s in steps if s.action == "derive"]:
-                tmp = derive_f16(base, s.dst, f16_if_exact, warn, progress)
-                if tmp is None:
+                if derive_f16(base, s.dst, f16_if_exact, warn, progress, keep=_stager(staged, s)) is None:
                     steps.remove(s)
-                else:
-                    staged.append((tmp, s))
             for s in steps:
                 if s.action == "place":
-                    staged.append((stage_copy(base, s.dst), s))
+                    stage_copy(base, s.dst, keep=_stager(staged, s))
             now = datetime.now(UTC)
             variants = {}
             for s in steps:

@@ -28,6 +28,7 @@ from specquant_cli.errors import FamilyError, InputError, LlamaError, ModelFileE
 from specquant_cli.family import grade as grading
 from specquant_cli.family.roles import PARENT_ROLE, check_role
 from specquant_cli.family.variants import LADDER, QUANT_TYPES, RECIPES, Recipe, variant_record
+from specquant_cli.settings import cores
 
 ProgressFn = Callable[[str, int, int], None]  # (stage label, done, total)
 LOG = "quantize.log"
@@ -131,7 +132,7 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
     if any(r.imatrix or r.grade is not None for r in recipes):
         imatrix_file, imatrix_rec = im.family_imatrix(family, imatrix_path)
         imatrix_rec = {**imatrix_rec, "sha256": imatrix_rec.get("sha256") or sha256_file(imatrix_file)}
-    threads = threads or os.cpu_count() or 1
+    threads = threads or cores()
     stem = family.name
     for recipe in recipes:
         _ftype(recipe.base)

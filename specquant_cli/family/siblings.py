@@ -115,8 +115,9 @@ def add_sibling(root: Path, draft: Path, role: str = DEFAULT_SIBLING_ROLE, *, so
             raise InputError(f"--draft-role {role}: the family has a sibling {role} already ({old.get('path')}); "
                              "pass --force to replace it")
         check_disk(root, Path(draft).stat().st_size)
-        tmp = stage_copy(Path(draft), dst)
+        held: list[Path] = []
         try:  # the copy is what is checked and recorded (the file given may change meanwhile)
+            tmp = stage_copy(Path(draft), dst, keep=held.append)
             info = check_sibling(family.path(PARENT_ROLE), tmp)
             if sha256_file(tmp) != sha:
                 raise InputError(f"--draft-model {draft}: changed while it was being copied; nothing was added")
@@ -128,9 +129,10 @@ def add_sibling(root: Path, draft: Path, role: str = DEFAULT_SIBLING_ROLE, *, so
             manifest["roles"] = {**(family.manifest.get("roles") or {}), role: record["type"]}
             fam.commit(root, [(tmp, dst)], manifest)
         except InputError as e:  # the checks name the file given, not our temp copy
-            raise InputError(str(e).replace(str(tmp), str(draft))) from None
+            raise InputError(str(e).replace(str(held[0]) if held else "\0", str(draft))) from None
         finally:
-            tmp.unlink(missing_ok=True)
+            for t in held:
+                t.unlink(missing_ok=True)
         _remove_replaced(root, old, manifest, warn)
     return manifest, True
 

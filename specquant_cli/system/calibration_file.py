@@ -19,6 +19,7 @@ from specquant_cli.errors import InputError
 from specquant_cli.family.roles import is_role_name
 from specquant_cli.fsutil import create_temp, write_json_atomic
 from specquant_cli.names import CALIBRATION
+from specquant_cli.settings import cores
 from specquant_cli.system.calibration import (
     DEEP_SIZES,
     DRAFT_BATCH,
@@ -48,7 +49,7 @@ def fingerprint(facts, threads: Optional[int] = None, rpc: Optional[list[str]] =
     except OSError:
         pass
     return {"schema": SCHEMA, "cpu": model, "cores": facts.cores_logical,
-            "threads": threads or max(1, os.cpu_count() or 1),
+            "threads": threads or cores(),
             "gpus": [g.name for g in facts.gpus], "gpu_offload": facts.gpu_offload,
             "llama_cpp_python": version("llama-cpp-python"), **({"rpc": sorted(rpc)} if rpc else {}),
             "parent": parent or "f16"}
