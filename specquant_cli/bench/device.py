@@ -162,13 +162,9 @@ def _plan_dict(plan: Plan) -> dict:
 
 
 def _machine() -> dict:
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "host": platform.node(), "python": platform.python_version()}
+    from specquant_cli.system.hardware import cpu_model
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "host": platform.node(), "python": platform.python_version()}
 
 
 # -- the steps ------------------------------------------------------------------------------------------------
