@@ -46,6 +46,11 @@ def packed(doc: int, pos: int) -> int:
     return (doc << _SHIFT) | pos
 
 
+def offset(packed_pos: int) -> int:
+    """The position within its document of a packed position."""
+    return packed_pos & _POS
+
+
 def _entries_of(n: int) -> int:
     """Index entries of a document of n tokens: one per k-gram size with a position after it."""
     return sum(max(0, n - k + 1) for k in range(MIN_K, MAX_K + 1))
@@ -199,6 +204,18 @@ class DraftMemory:
             pos = packed & _POS
             return body[pos] if body is not None and pos < len(body) else None
 
+    def read(self, packed: int, n: int) -> list[int]:
+        """Up to n tokens of a document from a packed position on (fewer at its end; none when it is gone); the
+        document counts as used."""
+        with self._lock:
+            doc = packed >> _SHIFT
+            body = self._docs.get(doc)
+            if body is None:
+                return []
+            self._lru.move_to_end(doc)
+            pos = packed & _POS
+            return body[pos:pos + max(0, n)]
+
     def find_after(self, packed: int, tail: Sequence[int], window: int) -> Optional[int]:
         """Where a sequence that left a document at `packed` (a packed position) rejoins it: the packed position
         right after the nearest occurrence of `tail` ending within `window` positions from `packed` on (a token
@@ -246,6 +263,9 @@ class ScopedMemory:
 
     def token_at(self, packed: int) -> Optional[int]:
         return self.memory.token_at(packed)
+
+    def read(self, packed: int, n: int) -> list[int]:
+        return self.memory.read(packed, n)
 
     def find_after(self, packed: int, tail: Sequence[int], window: int) -> Optional[int]:
         return self.memory.find_after(packed, tail, window)

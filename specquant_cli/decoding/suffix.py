@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Optional
 
+from specquant_cli.decoding.copying import Edits, Place, Step, follow
 from specquant_cli.decoding.drafters import DrafterBase
 from specquant_cli.decoding.gamma import COPY_GAMMA_MAX, Acceptance, best_draft_length, expected_tokens, verify_shape
-from specquant_cli.decoding.memory import MAX_EXTEND, DraftMemory, Recorder
+from specquant_cli.decoding.memory import MAX_EXTEND, DraftMemory, Recorder, offset
 from specquant_cli.decoding.protocols import CycleOutcome, Draft, verified
 
 MIN_MATCH = 3  # shorter matches do not draft: a 2-token coincidence is wrong more often than not
@@ -39,6 +40,11 @@ REJOIN_SPAN = 48  # answer tokens after a departure past which it is no edit any
 # coincidence of one token is common in prose).
 COPY_MATCH = 9
 COPY_TAILS = (2, 1)
+# A draft is sized with the acceptance its text has earned: the tokens the answer has followed it (a match's length, or
+# for a copy that goes on those held since it last departed) on RUN_WEIGHT tokens of its kind's measured acceptance (a
+# copy that goes on, at the prior: 0.97 after 24 held, 0.99 after 64), so a copy that holds gets drafts of 32-64
+# tokens where the parent's call-cost curve pays for them, and a kind that keeps failing stays short.
+RUN_WEIGHT = 8.0
 
 
 def _bucket(match_len: int) -> int:
@@ -64,10 +70,16 @@ class SuffixDrafter(DrafterBase):
         # per kind of draft: match-length bucket, CONTINUE, REJOIN
         self.acceptance = [Acceptance(a, PRIOR_WEIGHT, DECAY) for a in priors]
         self._last: Optional[tuple[int, Optional[int], int]] = None  # (kind, packed start, len(seq)) of the draft
-        self._cursor: Optional[tuple[int, int]] = None  # (packed position, sequence length) where the copy stands
+        # the last draft read from one place of one document, token by token (followed in feedback), and that place
+        self._steps: list[Step] = []
+        self._from: Optional[Place] = None
+        self._cursor: Optional[tuple[Place, int]] = None  # where the copy stands, and the sequence's length then
         # (packed position, sequence length, tail lengths looked for, whether the parent's first token may have
         # replaced the document's) of the last departure
         self._departed: Optional[tuple[int, int, tuple[int, ...], bool]] = None
+        self._trial: Optional[tuple[list[int], list[int]]] = None  # the substitution the last rejoin implies
+        self.edits = Edits()  # the substitutions this answer made in what it copies
+        self._run = 0  # answer tokens the copy has held since it last departed
 
     @property
     def kind(self) -> Optional[int]:
@@ -82,7 +94,8 @@ class SuffixDrafter(DrafterBase):
     def prepare(self, seq: Sequence[int]) -> None:
         if self.recorder is not None:
             self.recorder.start(seq)
-        self._cursor = self._departed = None
+        self._cursor = self._departed = self._trial = None
+        self.edits, self._run = Edits(), 0
         return None
 
     def expect(self, start: int, seq: Sequence[int], doc_tokens: Sequence[int], doc_start: int) -> None:
@@ -91,7 +104,7 @@ class SuffixDrafter(DrafterBase):
         The copy stands where the answer so far follows the document, else it departed at its first token."""
         answer = list(seq[start:])
         if answer == list(doc_tokens[:len(answer)]) and len(answer) < len(doc_tokens):
-            self._cursor, self._departed = (doc_start + len(answer), len(seq)), None
+            self._cursor, self._departed = (Place(doc_start + len(answer)), len(seq)), None
         else:
             self._cursor, self._departed = None, (doc_start, start, COPY_TAILS, False)
 
@@ -105,6 +118,13 @@ class SuffixDrafter(DrafterBase):
         return best_draft_length(lambda gamma: expected_tokens(alpha, gamma) / self.verify_cost(gamma + 1),
                                  min(n, available))[0]
 
+    def _alpha(self, kind: int, held: int) -> float:
+        """The per-token acceptance a draft of `kind` is sized with: its measured one, raised by what the text it
+        copies has earned — `held` tokens the answer has followed it (the match's length; for a copy that goes on,
+        those since it last departed) — with the measured acceptance counting as RUN_WEIGHT tokens."""
+        alpha = self.acceptance[kind].alpha
+        return (held + RUN_WEIGHT * alpha) / (held + RUN_WEIGHT)
+
     def propose(self, seq: Sequence[int], n: int, sp=None, noise=None) -> Draft:
         self.remember(verified(seq))  # a grammar's forced tokens at its end are drafted after, not remembered
         return self.lookup(seq, n, track=True)
@@ -117,34 +137,43 @@ class SuffixDrafter(DrafterBase):
     def lookup(self, seq: Sequence[int], n: int, track: bool = False) -> Draft:
         """Up to n tokens after `seq` from the memory, writing nothing (`seq` may end in unverified drafts).
         `track`: `seq` is the answer's own sequence (not a second level's), so where the copy stands is followed."""
-        self._last = None
+        self._last, self._steps, self._from = None, [], None
         if n <= 0:
             return Draft()
         track = track and len(verified(seq)) == len(seq)
         found = self._find(seq, track)
         if found is None:
             return Draft()
-        kind, cands = found
-        survivors: list[int] = []
-        tokens = self.memory.walk(cands, min(n, self.gamma_max), self.min_prob, survivors)
-        g = self._best_length(self.acceptance[kind].alpha, len(tokens), n)
+        kind, cands, place, held = found
+        limit = min(n, self.gamma_max)
+        if place is not None:  # a copy: read on from where it stands, its substitutions carried forward
+            steps = follow(self.memory.read(place.at, limit + self.edits.span), place, limit, self.edits)
+            tokens, start = [s.token for s in steps], place.at
+        else:
+            survivors: list[int] = []
+            tokens = self.memory.walk(cands, limit, self.min_prob, survivors)
+            start = survivors[0] if track and len(survivors) == 1 else None
+            place = Place(start) if start is not None else None
+            steps = [Step(t, Place(start + i + 1)) for i, t in enumerate(tokens)] if start is not None else []
+        g = self._best_length(self._alpha(kind, held), len(tokens), n)
         if g == 0:
             return Draft()
-        start = survivors[0] if track and len(survivors) == 1 else None
-        self._last = (kind, start, len(seq))
+        self._last, self._steps, self._from = (kind, start, len(seq)), steps[:g], place
         return Draft(tokens[:g])
 
-    def _find(self, seq: Sequence[int], track: bool) -> Optional[tuple[int, list[int]]]:
-        """(kind, candidate packed positions) to draft from: where the copy stands, else the longest match, else
-        (following the answer) where it rejoins the document it departed from; None when there is nothing."""
+    def _find(self, seq: Sequence[int], track: bool) -> Optional[tuple[int, list[int], Optional[Place], int]]:
+        """(kind, candidate packed positions, the place of a copy, tokens the answer has followed it) to draft from:
+        where the copy stands, else the longest match, else (following the answer) where it rejoins the document it
+        departed from; None when there is nothing. A rejoin keeps the substitution it implies on trial (learned once
+        the parent keeps its draft)."""
         if track and self._cursor is not None:
-            at, n = self._cursor
-            if n == len(seq) and self.memory.token_at(at) is not None:
-                return CONTINUE, [at]
+            place, n = self._cursor
+            if n == len(seq) and (place.queue or self.memory.token_at(place.at) is not None):
+                return CONTINUE, [], place, self._run
             self._cursor = None
         match_len, cands = self.memory.match(seq)
         if match_len >= MIN_MATCH:
-            return _bucket(match_len), cands
+            return _bucket(match_len), cands, None, match_len
         if not track or self._departed is None:
             return None
         at, n, tails, replaced = self._departed
@@ -156,25 +185,59 @@ class SuffixDrafter(DrafterBase):
             if since >= m:
                 q = self.memory.find_after(at, seq[len(seq) - m:], REJOIN_WINDOW)
                 if q is not None:
-                    return REJOIN, [q]
+                    self._trial = self._implied(at, q - m, seq, n, len(seq) - m)
+                    return REJOIN, [], Place(q), 0
         if since == 1 and replaced and self.memory.token_at(at + 1) is not None:
-            return REJOIN, [at + 1]  # the parent's token took the document's (a renamed word): on from the next
+            self._trial = self._implied(at, at + 1, seq, n, len(seq))
+            return REJOIN, [], Place(at + 1), 0  # the parent's token took the document's (a renamed word): on from the next
         return None
+
+    def _implied(self, at: int, end: int, seq: Sequence[int], dep: int, upto: int):
+        """The substitution a rejoin implies: the document's tokens from `at` (where the answer left it) to `end`
+        (where it rejoins) replaced by the answer's seq[dep:upto]; an insertion or a deletion with the token before it
+        (both texts' own) as its context. None when the rejoin reads back before the departure."""
+        if end < at or upto < dep:
+            return None
+        old, new = self.memory.read(at, end - at), list(seq[dep:upto])
+        if len(old) != end - at:
+            return None
+        if not old or not new:
+            before = self.memory.token_at(at - 1) if offset(at) > 0 else None
+            if before is None or dep == 0 or int(seq[dep - 1]) != before:
+                return None
+            old, new = [before, *old], [before, *new]
+        return old, new
 
     def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
         if self._last is None:
             return
         kind, start, n = self._last
         self.acceptance[kind].observe(outcome.accepted, outcome.proposed)
-        if start is None or n != len(seq):
+        trial, self._trial = self._trial, None
+        if self._from is None or n != len(seq):
             return
-        k = outcome.accepted
-        here = start + k  # the document's token at the position the parent's own token took
-        if k == outcome.proposed and self.memory.token_at(here) == outcome.next_token:
-            self._cursor, self._departed = (here + 1, n + k + 1), None
-        elif kind == REJOIN and k == 0 and self._departed is not None:  # a wrong rejoin: the edit goes on
+        k, steps = outcome.accepted, self._steps
+        if trial is not None and kind == REJOIN and k >= 1:  # the rejoin held: the edit that led to it is learned
+            self.edits.learn(*trial)
+        before = steps[k - 1].after if k else self._from  # where the copy stood at the parent's own token
+        opens = steps[k].opens if k < len(steps) else None
+        if opens is not None:  # the parent did not make the substitution proposed here
+            self.edits.refute(opens[0])
+            if self.memory.token_at(opens[1]) == outcome.next_token:  # it kept the document's own token
+                return self._goes_on(Place(opens[1] + 1), n + k + 1, k + 1)
+        ahead = follow(self.memory.read(before.at, 1 + self.edits.span), before, 1, self.edits)
+        if k == outcome.proposed and ahead and ahead[0].token == outcome.next_token:
+            return self._goes_on(ahead[0].after, n + k + 1, k + 1)
+        if kind == REJOIN and k == 0 and self._departed is not None:  # a wrong rejoin: the edit goes on
             self._cursor, self._departed = None, (*self._departed[:3], False)
-        else:  # a copy in progress (or a long match, or an edit in one) is rejoined on the answer's last token alone,
-            # and the parent's token first taken to replace the document's
-            copying = kind in (CONTINUE, REJOIN) or (kind < len(BUCKETS) and BUCKETS[kind] >= COPY_MATCH)
-            self._cursor, self._departed = None, (here, n + k, COPY_TAILS if copying else (2,), copying)
+            return
+        # a copy in progress (or a long match, or an edit in one) is rejoined on the answer's last token alone, and
+        # the parent's token first taken to replace the document's
+        copying = kind in (CONTINUE, REJOIN) or (kind < len(BUCKETS) and BUCKETS[kind] >= COPY_MATCH)
+        self._cursor, self._departed = None, (before.at, n + k, COPY_TAILS if copying else (2,), copying)
+        self._run = 0
+
+    def _goes_on(self, place: Place, n: int, kept: int) -> None:
+        """The copy goes on at `place` once the sequence is `n` tokens long, `kept` more tokens held."""
+        self._cursor, self._departed = (place, n), None
+        self._run += kept
