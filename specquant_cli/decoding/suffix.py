@@ -12,7 +12,10 @@ draft the parent kept whole, it drafts on from where the copy stands (`CONTINUE`
 matches as well; where the parent departed from the document (an edit), it looks for the answer's last tokens a
 little further on in the same document and drafts from there once they appear (`REJOIN`: the edit is over; right
 after a departure from a copy, the parent's own token is first taken to replace the document's), rather than waiting
-for a match of MIN_MATCH tokens to build up again. Each has its own measured acceptance."""
+for a match of MIN_MATCH tokens to build up again. Each has its own measured acceptance. The edit a rejoin implies (the
+document's tokens the answer replaced, and its own in their place) is learned once the parent keeps the rejoined
+draft, and proposed at the document's next occurrences (decoding.copying): a rename breaks the copy once, not at every
+occurrence."""
 
 from __future__ import annotations
 
@@ -189,7 +192,7 @@ class SuffixDrafter(DrafterBase):
                     return REJOIN, [], Place(q), 0
         if since == 1 and replaced and self.memory.token_at(at + 1) is not None:
             self._trial = self._implied(at, at + 1, seq, n, len(seq))
-            return REJOIN, [], Place(at + 1), 0  # the parent's token took the document's (a renamed word): on from the next
+            return REJOIN, [], Place(at + 1), 0  # the parent's token took the document's (a renamed word)
         return None
 
     def _implied(self, at: int, end: int, seq: Sequence[int], dep: int, upto: int):
