@@ -11,7 +11,7 @@ from specquant_cli.decoding.engine import Engine
 from specquant_cli.decoding.gamma import COPY_GAMMA_MAX, FixedGamma
 from specquant_cli.decoding.prediction import PredictionDrafter
 from specquant_cli.decoding.protocols import CycleOutcome
-from specquant_cli.decoding.suffix import SuffixDrafter
+from specquant_cli.decoding.suffix import COPY_MATCH, SuffixDrafter
 
 from fakes import FakeContext, FakeModel, peaked
 
@@ -159,3 +159,23 @@ def test_no_draft_changes_an_answer_and_a_prediction_carries_renames_too():
         events = list(eng.generate(prompt, 400))
         assert [e.token for e in events if not e.eog] == edited
         assert eng.stats.parent_calls <= plain_copy_calls() + 4, (drafter.name, eng.stats.parent_calls)
+
+
+def test_a_rate_guard_that_rests_looks_again_where_the_answer_repeats_a_source():
+    """An answer that opens with a novel sentence (its drafting stopped by the rate guard) and then copies the file:
+    drafting starts again at the copy, and the answer is the parent's own."""
+    from specquant_cli.decoding.gamma import RateGuard
+
+    novel = [(11 * i) % 60 + 1 for i in range(30)]  # not in the file (its 3-grams are the file's own only by chance)
+    answer = novel + FILE
+    guard = RateGuard(FixedGamma(COPY_GAMMA_MAX), lambda pos: 0.1, len(PROMPT) + len(FILE))
+    guard.tripped_at = 0  # resting from the first token, as after a novel opening
+    n = len(PROMPT) + len(FILE)
+    ctx = FakeContext(FakeModel(V, EOG), lambda toks: peaked(
+        answer[len(toks) - n] if 0 <= len(toks) - n < len(answer) else EOG, V), 2048)
+    eng = Engine(ctx, SuffixDrafter(verify_cost=flat_ish), guard, first_alone=True)
+    events = list(eng.generate(PROMPT + FILE, 400))
+    assert [e.token for e in events if not e.eog] == answer
+    assert eng.stats.guard_reopened >= 1 and eng.stats.guard_stop == 0
+    # the novel part one call a token, the copy once a match of COPY_MATCH tokens offers it (resting: a call a token)
+    assert eng.stats.parent_calls <= len(novel) + COPY_MATCH + plain_copy_calls(), eng.stats.parent_calls

@@ -34,6 +34,10 @@ class DrafterBase:
     def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None:
         pass
 
+    def offers(self, seq: Sequence[int]) -> bool:
+        """No free copy on offer (a model drafts at a price; a draft-free drafter says otherwise)."""
+        return False
+
     @property
     def counters(self) -> dict[str, float]:
         """Running totals of what drafting did beyond the engine's own counts (a second level's proposals and
@@ -357,6 +361,9 @@ class FallbackDrafter(DrafterBase):
             self.then.prepare(seq)
             self._active = True
         return self.then.propose(seq, g, sp, noise)
+
+    def offers(self, seq: Sequence[int]) -> bool:
+        return self.first.offers(seq)
 
     def copying(self, answer: int) -> bool:
         """The answer (`answer` tokens so far) copies: COPY_MIN_TOKENS long, COPY_SHARE of it from `first`'s drafts."""

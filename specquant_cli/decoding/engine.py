@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from specquant_cli.decoding.gamma import FixedGamma
+from specquant_cli.decoding.gamma import FixedGamma, RateGuard
 from specquant_cli.decoding.protocols import (
     Constraint,
     CycleOutcome,
@@ -61,7 +61,8 @@ class EngineStats:
     # what the drafter's own counters (Drafter.counters) added over this answer: a second level's proposals
     # and acceptances, the draft model's calls and seconds
     levels: dict = field(default_factory=dict)
-    guard_stop: Optional[int] = None  # tokens into the answer when a rate guard stopped drafting
+    guard_stop: Optional[int] = None  # tokens into the answer when a rate guard first stopped drafting
+    guard_reopened: int = 0  # times it drafted again where the answer repeated a source
     forced: int = 0  # tokens a grammar forced, proposed at no draft cost (jump-forward)
     forced_accepted: int = 0  # of those, the parent's own picks
     prediction_proposed: int = 0  # tokens of the request's prediction proposed as drafts (within `drafted`)
@@ -130,7 +131,7 @@ class Engine:
                 self._prepare(seq)
                 alone = False
             room = max_tokens - st.new_tokens - 1  # the cycle's own token always fits
-            g = min(self.gamma_policy.draft_length(), room) if self.drafter and not alone else 0
+            g = self._draft_length(seq, room) if self.drafter and not alone else 0
             draft, kinds, draft_s = self._draft(seq, g, room)
             outcome = self._verify(seq, draft, draft_s)
             own = self._drafters_part(kinds, outcome)
@@ -140,7 +141,10 @@ class Engine:
                     self.drafter.feedback(seq, own)
             if self.drafter is not None and not alone:
                 st.levels = {k: v - base.get(k, 0) for k, v in self.drafter.counters.items()}
-                st.guard_stop = getattr(self.gamma_policy, "tripped_at", None)
+                if isinstance(self.gamma_policy, RateGuard):
+                    guard = self.gamma_policy
+                    st.guard_stop = st.guard_stop if st.guard_stop is not None else guard.tripped_at
+                    st.guard_reopened = guard.reopened
             logprobs = getattr(self.verifier, "logprobs", None) or []
             for i, tok in enumerate(draft.tokens[:outcome.accepted] + [outcome.next_token]):
                 seq.append(tok)
@@ -150,6 +154,14 @@ class Engine:
                                  logprobs[i] if i < len(logprobs) else None)
                 if eog:
                     return
+
+    def _draft_length(self, seq: list[int], room: int) -> int:
+        """The γ policy's draft length, at most `room`; a rate guard that rests is reopened where the drafter has a
+        copy on offer at no cost (the answer starts to repeat a source)."""
+        policy = self.gamma_policy
+        if isinstance(policy, RateGuard) and policy.resting and self.drafter.offers(seq):
+            policy.reopen()
+        return min(policy.draft_length(), room)
 
     def _drafters_part(self, kinds: list[Source], outcome: CycleOutcome) -> CycleOutcome:
         """The cycle as the drafter and γ see it: its own tokens proposed and accepted, and the forced tokens the

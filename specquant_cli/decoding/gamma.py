@@ -194,8 +194,11 @@ class AdaptiveGamma:
 
 class RateGuard:
     """A plan's safety net within an answer: wraps the plan's γ policy and, once the answer's drafting has run
-    GUARD_MIN_CYCLES cycles at a rate below GUARD_RATIO of the parent's alone, drafts nothing more in it (the
-    parent alone for the rest). The parent's rate is measured in the same answer when it has run plain parent
+    GUARD_MIN_CYCLES cycles at a rate below GUARD_RATIO of the parent's alone, drafts nothing more (the parent alone)
+    until the answer starts to repeat a source: the engine asks the drafter each token whether a copy is on offer at
+    no cost (Drafter.offers: a suffix lookup, microseconds) and `reopen`s the guard when one is, which then judges the
+    drafting afresh (an answer that opens with a novel sentence and then rewrites a file copies the file). The
+    parent's rate is measured in the same answer when it has run plain parent
     steps (cycles without a draft: same machine, same moment), else predicted by `parent_step_s(position)`
     (this machine's calibrated one-token call at that context position). The planner then learns the answer's
     measured speedup as for any other answer."""
@@ -210,6 +213,7 @@ class RateGuard:
         self._cycles = 0
         self._plain: list[float] = []  # one-token parent calls measured in this answer
         self._made = 0
+        self.reopened = 0  # times it drafted again after resting
 
     def draft_length(self) -> int:
         return 0 if self.tripped_at is not None else self.inner.draft_length()
@@ -228,6 +232,17 @@ class RateGuard:
         if self.tripped_at is None and self._cycles >= GUARD_MIN_CYCLES and self._seconds > 0:
             if self._tokens / self._seconds < GUARD_RATIO / self._parent_s():
                 self.tripped_at = self._made
+
+    @property
+    def resting(self) -> bool:
+        """Tripped: drafting nothing until `reopen`."""
+        return self.tripped_at is not None
+
+    def reopen(self) -> None:
+        """Draft again (a copy is on offer), judged afresh over GUARD_MIN_CYCLES more cycles."""
+        self.tripped_at = None
+        self._tokens, self._seconds, self._cycles = 0, 0.0, 0
+        self.reopened += 1
 
     def _parent_s(self) -> float:
         if len(self._plain) >= 2:

@@ -84,6 +84,10 @@ class PredictionDrafter(DrafterBase):
                 return self._chose(theirs, "inner")
         return self._chose(own, "prediction")
 
+    def offers(self, seq: Sequence[int]) -> bool:
+        ours = bool(self.prediction) and self.lookup.offers(seq)
+        return ours or (self.inner is not None and self.inner.offers(seq))
+
     def _theirs(self, seq: Sequence[int], n: int, sp, noise) -> Draft:
         """The inner drafter's draft, at most its own γ policy's length."""
         g = n if self.inner_gamma is None else min(n, self.inner_gamma.draft_length())

@@ -116,6 +116,12 @@ class Drafter(Protocol):
 
     def feedback(self, seq: Sequence[int], outcome: CycleOutcome) -> None: ...
 
+    def offers(self, seq: Sequence[int]) -> bool:
+        """Whether a copy is on offer after `seq` at no cost (a draft-free drafter's long match, or a copy in
+        progress): asked each token while a rate guard rests, so that drafting starts again where the answer starts to
+        repeat a source. Microseconds; no model call."""
+        ...
+
     @property
     def counters(self) -> dict[str, float]:
         """Running totals of what drafting did beyond the engine's own counts (a second level's proposals and

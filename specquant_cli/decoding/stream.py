@@ -19,7 +19,8 @@ STAT_FIELDS = ("prompt_tokens", "prefill_tokens", "new_tokens", "drafted", "acce
                "mean_accepted_length", "parent_calls", "prefill_s", "parent_prefill_s", "draft_prefill_s",
                "kv_import_s", "kv_import",
                "draft_s", "verify_s", "total_s", "tokens_per_s", "decode_tokens_per_s", "finish_reason", "levels",
-               "guard_stop", "forced", "forced_accepted", "prediction_accepted", "prediction_rejected")
+               "guard_stop", "guard_reopened", "forced", "forced_accepted", "prediction_accepted",
+               "prediction_rejected")
 
 
 Span = tuple[str, Source]  # (text, where it came from)
@@ -51,7 +52,8 @@ class Response:
     finish_reason: Optional[FinishReason] = None  # on the last record
     spans: list[Span] = field(default_factory=list)  # `text` piece by piece, with each piece's source
     levels: dict = field(default_factory=dict)  # the drafter's counters over the answer (EngineStats.levels)
-    guard_stop: Optional[int] = None  # tokens into the answer when its rate guard stopped drafting
+    guard_stop: Optional[int] = None  # tokens into the answer when its rate guard first stopped drafting
+    guard_reopened: int = 0  # times it drafted again where the answer repeated a source
     forced: int = 0  # tokens a grammar forced, proposed at no draft cost
     forced_accepted: int = 0  # of those, the parent's own picks
     prediction_accepted: int = 0  # tokens of the request's prediction proposed as drafts that the parent kept
@@ -77,7 +79,8 @@ def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finis
         draft_prefill_s=s.draft_prefill_s, kv_import_s=s.kv_import_s, kv_import=s.kv_import, draft_s=s.draft_s,
         verify_s=s.verify_s, total_s=total, tokens_per_s=s.new_tokens / total if total > 0 else 0.0,
         decode_tokens_per_s=s.new_tokens / decode if decode > 0 else 0.0, finish_reason=finish, spans=list(spans),
-        levels=dict(s.levels), guard_stop=s.guard_stop, forced=s.forced, forced_accepted=s.forced_accepted,
+        levels=dict(s.levels), guard_stop=s.guard_stop, guard_reopened=s.guard_reopened, forced=s.forced,
+        forced_accepted=s.forced_accepted,
         prediction_accepted=s.prediction_accepted,
         prediction_rejected=s.prediction_proposed - s.prediction_accepted,
         logprobs=[logprob] if logprob is not None else [])

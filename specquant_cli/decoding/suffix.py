@@ -128,6 +128,13 @@ class SuffixDrafter(DrafterBase):
         alpha = self.acceptance[kind].alpha
         return (held + RUN_WEIGHT * alpha) / (held + RUN_WEIGHT)
 
+    def offers(self, seq: Sequence[int]) -> bool:
+        """A copy is on offer: one stands where `seq` ends, or a match of COPY_MATCH tokens or more (a source the
+        answer repeats)."""
+        if self._cursor is not None and self._cursor[1] == len(seq):
+            return True
+        return self.memory.match(seq)[0] >= COPY_MATCH
+
     def propose(self, seq: Sequence[int], n: int, sp=None, noise=None) -> Draft:
         self.remember(verified(seq))  # a grammar's forced tokens at its end are drafted after, not remembered
         return self.lookup(seq, n, track=True)
