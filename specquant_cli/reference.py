@@ -9,7 +9,10 @@ A generated block in a markdown page sits between two markers that name it:
 
 `python -m specquant_cli.reference` rewrites every block of README.md and docs/*.md from the code; `--check`
 changes nothing and exits 1 naming the pages that differ (tests/test_reference.py runs it, as simonw/llm's CI runs
-`cog --check`). The help is rendered at COLUMNS=100, the width the help is written to fit."""
+`cog --check`). GENERATORS says which pages hold each block: a block or a page missing from its place (a marker
+misspelled or removed, a page deleted) is a difference too, named by page and block, and so is a block on a page the
+table does not name. `--root DIR` reads the pages of another checkout. The help is rendered at COLUMNS=100, the width
+the help is written to fit."""
 
 from __future__ import annotations
 
@@ -18,10 +21,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from specquant_cli.errors import InputError
+from specquant_cli.inputs import decode_input
+
 HELP_COLUMNS = 100
 ROOT = Path(__file__).resolve().parent.parent  # the checkout the pages live in
 PAGES = ("README.md", "docs/*.md")
-_BLOCK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[a-z-]+)[^>]*-->\n)(?P<body>.*?)"
+_BLOCK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[a-z-]+)(?![a-z-])[^>]*-->\n)(?P<body>.*?)"
                     r"(<!-- END GENERATED: (?P=name) -->)", re.DOTALL)
 
 
@@ -140,20 +146,26 @@ def recipes() -> str:
     return "\n".join(rows)
 
 
-GENERATORS: dict[str, Callable[[], str]] = {"commands": commands, "cli": cli, "settings": settings,
-                                            "policies": policies, "metrics": metrics, "recipes": recipes}
+# What the reference generates: each block's name, the function that writes it and the pages (under the root) that
+# hold it. The check holds the pages to it both ways: a listed block missing from its page, or a block on a page
+# not listed for it, is a difference.
+GENERATORS: dict[str, tuple[Callable[[], str], tuple[str, ...]]] = {
+    "commands": (commands, ("README.md", "docs/cli.md")), "cli": (cli, ("docs/cli.md",)),
+    "settings": (settings, ("docs/configuration.md",)), "policies": (policies, ("docs/policies.md",)),
+    "metrics": (metrics, ("docs/serve.md",)), "recipes": (recipes, ("docs/models.md",))}
 
 
-def render(text: str, made: dict[str, str] | None = None) -> str:
-    """`text` with every generated block written anew (`made` caches each block's text across pages)."""
+def render(text: str, made: dict[str, str] | None = None, page: str = "a page") -> str:
+    """`text` with every generated block written anew (`made` caches each block's text across pages); an unknown
+    block is an InputError naming `page` and the block."""
     made = {} if made is None else made
 
     def block(m: re.Match) -> str:
         name = m.group("name")
         if name not in GENERATORS:
-            raise KeyError(f"unknown generated block {name!r} (known: {', '.join(GENERATORS)})")
+            raise InputError(f"{page}: unknown generated block {name!r} (known: {', '.join(GENERATORS)})")
         if name not in made:
-            made[name] = GENERATORS[name]()
+            made[name] = GENERATORS[name][0]()
         return f"{m.group(1)}{made[name]}\n{m.group(4)}"
 
     return _BLOCK.sub(block, text)
@@ -163,10 +175,42 @@ def pages(root: Path = ROOT) -> list[Path]:
     return sorted({p for pattern in PAGES for p in root.glob(pattern)})
 
 
+def _name(p: Path, root: Path) -> str:
+    return p.relative_to(root).as_posix()
+
+
+def _read(p: Path, root: Path) -> str:
+    """A page's text; one that cannot be read, or is not UTF-8, is an InputError naming it."""
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise InputError(f"{_name(p, root)}: cannot read the page ({e.strerror or e})") from None
+    return decode_input(data, _name(p, root))
+
+
+def misplaced(root: Path = ROOT) -> list[str]:
+    """Where the pages under `root` and GENERATORS disagree, one line per page and block: a block missing from a
+    page the table names (its markers misspelled or removed, or the page gone), or on a page it does not name."""
+    found = {_name(p, root): {m.group("name") for m in _BLOCK.finditer(_read(p, root))} for p in pages(root)}
+    out = []
+    for name, (_, places) in GENERATORS.items():
+        for page in places:
+            if page not in found:
+                out.append(f"{page}: generated block {name!r} is missing: the page is gone")
+            elif name not in found[page]:
+                out.append(f"{page}: generated block {name!r} is missing (no '<!-- BEGIN GENERATED: {name}' ... "
+                           f"'<!-- END GENERATED: {name} -->' pair: a marker misspelled or removed)")
+    for page, names in found.items():
+        for name in sorted(n for n in names if n in GENERATORS and page not in GENERATORS[n][1]):
+            out.append(f"{page}: generated block {name!r} is not placed on this page (reference.GENERATORS puts it "
+                       f"on {', '.join(GENERATORS[name][1])})")
+    return out
+
+
 def stale(root: Path = ROOT) -> list[Path]:
     """The pages under `root` whose generated blocks differ from what the code makes now."""
     made: dict[str, str] = {}
-    return [p for p in pages(root) if (t := p.read_text(encoding="utf-8")) != render(t, made)]
+    return [p for p in pages(root) if (t := _read(p, root)) != render(t, made, _name(p, root))]
 
 
 def write(root: Path = ROOT) -> list[Path]:
@@ -174,27 +218,46 @@ def write(root: Path = ROOT) -> list[Path]:
     made: dict[str, str] = {}
     written = []
     for p in pages(root):
-        text = p.read_text(encoding="utf-8")
-        new = render(text, made)
+        text = _read(p, root)
+        new = render(text, made, _name(p, root))
         if new != text:
             p.write_text(new, encoding="utf-8")
             written.append(p)
     return written
 
 
+USAGE = "usage: python -m specquant_cli.reference [--check] [--root DIR]"
+
+
 def main(argv: list[str], root: Path = ROOT) -> int:
-    if argv not in ([], ["--check"]):
-        print("usage: python -m specquant_cli.reference [--check]", file=sys.stderr)
+    args = list(argv)
+    if "--root" in args:
+        i = args.index("--root")
+        if i + 1 >= len(args):
+            print(f"error: --root needs a folder ({USAGE})", file=sys.stderr)
+            return 2
+        root = Path(args.pop(i + 1))
+        args.pop(i)
+    if args not in ([], ["--check"]):
+        print(USAGE, file=sys.stderr)
         return 2
-    if argv == ["--check"]:
-        differ = stale(root)
-        for p in differ:
-            print(f"{p.relative_to(root)}: generated reference differs from the code; run python -m "
-                  "specquant_cli.reference", file=sys.stderr)
-        return 1 if differ else 0
-    for p in write(root):
-        print(f"wrote {p.relative_to(root)}", file=sys.stderr)
-    return 0
+    if not root.is_dir():
+        print(f"error: --root {root}: not a folder", file=sys.stderr)
+        return 2
+    try:
+        if args == ["--check"]:
+            differ = [f"{_name(p, root)}: generated reference differs from the code; run python -m "
+                      "specquant_cli.reference" for p in stale(root)] + misplaced(root)
+        else:
+            for p in write(root):
+                print(f"wrote {_name(p, root)}", file=sys.stderr)
+            differ = misplaced(root)  # nothing writing can mend: a marker or a page to put back
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for line in differ:
+        print(line, file=sys.stderr)
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":
