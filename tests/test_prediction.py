@@ -10,6 +10,7 @@ import uuid
 import httpx
 import openai
 import pytest
+from hostile_util import assert_clean_error
 
 from specquant_cli.bench import datasets
 from specquant_cli.decoding.drafters import FallbackDrafter
@@ -416,6 +417,41 @@ def test_chat_predict_reports_the_accounting(family_dir, tmp_path, monkeypatch):
     assert r.exit_code == 1 and "--predict -" in r.stderr
     r = run_cli([*base, "--predict", str(tmp_path / "missing.py"), "hi"])
     assert r.exit_code == 1 and "--predict" in r.stderr
+
+
+# -- bench prompts: a dataset's predictions checked before a model loads ---------------------------------------------
+
+BENCH = ["bench", "prompts", "--policies", "parent", "--max-tokens", "2", "--warmup", "0", "--threads", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line, field", [('{"turns": ["x"], "prediction": "\\ud800"}', "'prediction'"),
+                                         ('{"turns": ["x \\udfff"]}', "'turns'")])
+def test_bench_prompts_refuses_a_lone_surrogate_in_a_dataset_in_one_line(family_dir, tmp_path, line, field):
+    ds = tmp_path / "odd.jsonl"
+    ds.write_text(line + "\n")  # JSON's escape of half a surrogate pair: valid JSON, never valid UTF-8
+    r = run_cli([*BENCH, "--family", str(family_dir), "--dataset", str(ds)])
+    assert_clean_error(r, 1, f"{ds}:1: not a Spec-Bench question: {field} holds a lone surrogate")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, needle", [
+    (["--edits", "--limit", "1"], "no other item has a different prediction to give edits:1 (item edits:edit-1)"),
+    (["--categories", "qa", "--limit", "1"], "no item has a prediction")])
+def test_bench_prompts_refuses_a_wrong_prediction_with_no_other_item_to_borrow(family_dir, args, needle):
+    """A row run as --prediction wrong without one would be a run with no prediction, labelled wrong."""
+    r = run_cli([*BENCH, "--family", str(family_dir), *args, "--prediction", "wrong"])
+    assert_clean_error(r, 1, "--prediction wrong: " + needle)
+    assert "tok/s" not in r.stderr  # refused before anything ran
+
+
+@pytest.mark.slow
+def test_bench_prompts_names_the_file_and_item_of_a_prediction_longer_than_the_context(family_dir, tmp_path):
+    ds = tmp_path / "long.jsonl"
+    ds.write_text(json.dumps({"question_id": "big", "turns": ["Edit it."], "prediction": WRONG * 40}) + "\n")
+    r = run_cli([*BENCH, "--family", str(family_dir), "--dataset", str(ds), "--ctx", "256"])
+    assert_clean_error(r, 1, f"{ds}:1 (item long:big): the prediction is ", "longer than the context (256 tokens)")
+    assert "tok/s" not in r.stderr  # refused before a model loaded
 
 
 # -- bench load sends predictions -------------------------------------------------------------------------------------

@@ -27,6 +27,11 @@ class Item:
     # structured output, as OpenAI's request spells it: {"response_format": ...} or {"tools": [...], "tool_choice": ..}
     form: Optional[dict] = None
     prediction: Optional[str] = None  # the text the answer is expected to resemble (OpenAI's `prediction` content)
+    where: str = ""  # the file and line it was read from ("FILE:LINE"; "builtin:3" for a built-in set's)
+
+    def named(self) -> str:
+        """The item as an error names it: where it was read, and its id."""
+        return f"{self.where} (item {self.id})" if self.where else self.id
 
 
 def final_answer(reference: str) -> Optional[str]:
@@ -76,6 +81,11 @@ def _question_problem(d) -> Optional[str]:
     qid = d.get("question_id")
     if qid is not None and (isinstance(qid, bool) or not isinstance(qid, (str, int))):
         return "'question_id' must be a string or an integer"
+    for key, value in d.items():  # JSON can escape half a surrogate pair ("\ud800"); UTF-8, and a tokenizer, cannot
+        try:
+            json.dumps({key: value}, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{key!r} holds a lone surrogate (half of a \\uD800-\\uDFFF pair), which is not valid Unicode"
     return None
 
 
@@ -120,7 +130,7 @@ def _items(lines: Iterable[str], source: str) -> list[Item]:
             prompt += ANSWER_HINT
         form = {k: d[k] for k in ("response_format", "tools", "tool_choice", "parallel_tool_calls") if k in d}
         out.append(Item(f"{Path(source).stem}:{d.get('question_id', n)}", d.get("category", "uncategorized"),
-                        prompt, answer, form or None, d.get("prediction") or None))
+                        prompt, answer, form or None, d.get("prediction") or None, where=f"{source}:{n}"))
     return out
 
 
@@ -129,7 +139,8 @@ PREDICTION_MODES = ("on", "off", "wrong")
 
 def with_predictions(items: Sequence[Item], mode: str) -> list[Item]:
     """The items with their predictions as `mode` says: "on", their own; "off", none; "wrong", each one's replaced by
-    the next item's that has another one (none where no other item has one): a deliberately wrong prediction."""
+    the next item's that has another one: a deliberately wrong prediction. An item left with none under "wrong" (no
+    other item has another prediction to give it) is an InputError naming it: its row would say nothing wrong."""
     if mode not in PREDICTION_MODES:
         raise InputError(f"--prediction {mode!r}: expected one of {', '.join(PREDICTION_MODES)}")
     if mode == "on":
@@ -140,17 +151,27 @@ def with_predictions(items: Sequence[Item], mode: str) -> list[Item]:
     out = []
     for i, it in enumerate(items):
         others = (q.prediction for q in items[i + 1:] + items[:i] if q.prediction and q.prediction != it.prediction)
-        out.append(replace(it, prediction=next(others, None)))
+        wrong = next(others, None)
+        if wrong is None:
+            why = "no item has a prediction" if not any(q.prediction for q in items) else \
+                f"no other item has a different prediction to give {it.named()}"
+            raise InputError(f"--prediction wrong: {why}; a wrong prediction is another item's, so it needs at least "
+                             "two items with different predictions, as --edits has")
+        out.append(replace(it, prediction=wrong))
     return out
 
 
-def check_lengths(items: Sequence[Item], check: Callable[[str], object]) -> None:
-    """Run the router's cheap length check on every prompt before any model loads (naming the item)."""
+def check_lengths(items: Sequence[Item], check: Callable[[str], object],
+                  check_prediction: Optional[Callable[[str], object]] = None) -> None:
+    """Run the router's cheap length check on every prompt, and `check_prediction` (the session's: it refuses one
+    longer than the context) on every prediction, before any model loads (naming the item: its file, line and id)."""
     for it in items:
         try:
             check(it.prompt)
+            if it.prediction and check_prediction is not None:
+                check_prediction(it.prediction)
         except InputError as e:
-            raise InputError(f"{it.id}: {e}") from None
+            raise InputError(f"{it.named()}: {e}") from None
 
 
 def builtin(name: str = "prompts") -> list[Item]:

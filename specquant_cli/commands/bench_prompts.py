@@ -88,7 +88,7 @@ def prompts(
     # the F16 parent beside a parent of another rendering (the figure users know), run once the parent's own runs
     # are done and their models released: the bench holds one rendering of the parent at a time
     reference = "f16" in fam.renderings() and fam.parent_rendering != "f16"
-    datasets.check_lengths(items, router.check_length)
+    datasets.check_lengths(items, router.check_length, session.prediction_tokens)  # before a model loads
     temperature, seed, n_ctx = cfg.decoding.temperature, cfg.decoding.seed or 0, cfg.runtime.ctx
     sp = SamplingParams(temperature=temperature, seed=seed)
     t0 = time.perf_counter()
