@@ -96,7 +96,18 @@ def test_an_entry_of_the_previous_schema_lacks_the_new_fields():
     for k in ("draft_call_s", "deep_call_s", "deep_pos", "import_s"):
         del entry[k]
     assert "draft_call_s, deep_call_s, deep_pos, import_s missing" in entry_problem(entry)
-    assert SCHEMA == 6
+    assert SCHEMA == 7  # 7: the parent measured deep up to 64 tokens (DEEP_PARENT_SIZES)
+
+
+def test_a_long_verify_call_deep_in_the_context_is_priced_from_its_own_size():
+    """A 25-token call after 1024 positions: between the measured 16- and 32-token factors (1.4x, 1.5x), not the 8-token
+    call's 1.1x carried beyond it."""
+    c = deep_cal()
+    c.parent_call_s.update({24: 0.033, 32: 0.041})
+    c.deep_call_s["parent"].update({16: 1.4 * PARENT[16], 32: 1.5 * 0.041})
+    assert 1.4 < c.depth_factor("parent", 25, 1024) < 1.5
+    assert c.at(1024).verify_cost(25) > deep_cal().at(1024).verify_cost(25)
+    assert entry_problem(stored(c)) is None
 
 
 # -- depth_factor ------------------------------------------------------------------------------------------
@@ -236,8 +247,11 @@ def test_a_real_measurement_goes_deep_in_a_512_context(models, quick):
         curve = [c.draft_call_s[role][n] for n in range(1, cal.DRAFT_BATCH + 1)]
         assert curve == sorted(curve)  # monotone
         assert sorted(c.import_s[role]) == [cal.PREFILL_TOKENS, 488] and all(v > 0 for v in c.import_s[role].values())
-    for role in ("parent", "q8", "q4"):
+    for role in ("q8", "q4"):
         assert sorted(c.deep_call_s[role]) == list(cal.DEEP_SIZES) and all(v > 0 for v in c.deep_call_s[role].values())
+    # the parent's verify calls up to 64 tokens, those the 512-token context has room for after 488 positions
+    assert sorted(c.deep_call_s["parent"]) == [n for n in cal.DEEP_PARENT_SIZES if 488 + n <= n_ctx]
+    assert 16 in c.deep_call_s["parent"] and all(v > 0 for v in c.deep_call_s["parent"].values())
     assert c.depth_factor("parent", 4, 488) >= 1.0 and c.import_cost("q4", 300) > 0
     assert left["q8"] == left["q4"] == 0  # the drafts' contexts reset after the imports and the agreement pass
 

@@ -23,7 +23,10 @@ LONG_CALLS = (24, 32, 48, 64)
 DRAFT_BATCH = 8  # draft call sizes measured: 1..DRAFT_BATCH tokens (a draft verifying another's proposals)
 DEEP_POS = 1024  # the deep position measured, when the context has room for it and a call after it
 DEEP_MIN = 256  # a context with less room than this is not measured deep (too close to PREFILL_TOKENS)
-DEEP_SIZES = (1, 4, 8)  # call sizes measured at the deep position
+DEEP_SIZES = (1, 4, 8)  # a draft's call sizes measured at the deep position
+# the parent's: its verify calls of a copy are that long, and deep in an edit's context a 25-token call costs 1.5x its
+# figure near the start where a one-token call costs 1.2x (1.5B BF16 parent, AMD EPYC): the factor grows with the size
+DEEP_PARENT_SIZES = (1, 4, 8, 16, 32, 64)
 PREFILL_TOKENS = 64  # the synthetic prompt every call is measured after
 RENDERING_SIZES = (1, 4, 8, 16)  # call sizes the renderings' comparison times
 

@@ -21,7 +21,7 @@ from specquant_cli.fsutil import create_temp, write_json_atomic
 from specquant_cli.names import CALIBRATION
 from specquant_cli.settings import cores
 from specquant_cli.system.calibration import (
-    DEEP_SIZES,
+    DEEP_PARENT_SIZES,
     DRAFT_BATCH,
     LONG_CALLS,
     MAX_BATCH,
@@ -31,7 +31,7 @@ from specquant_cli.system.calibration import (
 )
 
 CALIBRATION_FILE = CALIBRATION
-SCHEMA = 6  # part of the cache key: an entry measured by an older version is measured again
+SCHEMA = 7  # part of the cache key: an entry measured by an older version is measured again
 MAX_DEEP_POS = 1 << 20  # a stored deep position beyond this is not one any context holds
 
 
@@ -175,7 +175,7 @@ def _check_entry(entry) -> None:
         raise ValueError("left_out holds something other than role names")
     deep_pos = _check_deep_pos(entry["deep_pos"])
     _check_curves(entry, "draft_call_s", range(1, DRAFT_BATCH + 1))
-    _check_curves(entry, "deep_call_s", DEEP_SIZES)
+    _check_curves(entry, "deep_call_s", DEEP_PARENT_SIZES)
     if entry["deep_call_s"] and not deep_pos:
         raise ValueError("deep_call_s holds timings but deep_pos is 0 (not measured)")
     _check_curves(entry, "import_s", range(1, max(PREFILL_TOKENS, deep_pos) + 1))

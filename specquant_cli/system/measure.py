@@ -23,6 +23,7 @@ from typing import Optional
 
 from specquant_cli.system.calibration import (
     DEEP_MIN,
+    DEEP_PARENT_SIZES,
     DEEP_POS,
     DEEP_SIZES,
     DRAFT_BATCH,
@@ -124,7 +125,8 @@ def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
     prompt = synthetic_prompt(pctx.model.n_vocab, max(PREFILL_TOKENS, deep_pos))
     prefill = _time_prefill(ctx_for, roles, prompt[:PREFILL_TOKENS], tick)
     calls, steps_s, pairs, draft_calls = _time_rounds(ctx_for, parent, drafts, prompt[:PREFILL_TOKENS], tick)
-    deep = {role: _time_deep(ctx_for(role), prompt[:deep_pos], tick, role) for role in roles} if deep_pos else {}
+    deep = {role: _time_deep(ctx_for(role), prompt[:deep_pos], tick, role,
+                             DEEP_PARENT_SIZES if role == parent else DEEP_SIZES) for role in roles} if deep_pos else {}
     imports = _time_imports(ctx_for, parent, [r for r in drafts if r not in siblings], [prompt[:n] for n in lengths],
                             tick)
     agree, cycles = _agreement(ctx_for, parent, drafts, tick)
@@ -228,13 +230,14 @@ def _time_rounds(ctx_for, parent: str, drafts: list[str], prompt: list[int], tic
     return monotone(calls), steps_s, pairs, {role: monotone(c) for role, c in draft_calls.items()}
 
 
-def _time_deep(ctx, prompt: list[int], tick, role: str) -> dict[int, float]:
-    """Call size (DEEP_SIZES) -> seconds of a call after all of `prompt` (prefilled once, without logits),
-    the fastest of DEEP_REPEATS, made monotone. The context is left holding `prompt`. One tick."""
+def _time_deep(ctx, prompt: list[int], tick, role: str, sizes=DEEP_SIZES) -> dict[int, float]:
+    """Call size (of `sizes`, those the context has room for after `prompt`) -> seconds of a call after all of
+    `prompt` (prefilled once, without logits), the fastest of DEEP_REPEATS, made monotone. The context is left holding
+    `prompt`. One tick."""
     ctx.sync(prompt, logits="none")
-    best = {n: float("inf") for n in DEEP_SIZES}
+    best = {n: float("inf") for n in sizes if len(prompt) + n <= ctx.n_ctx and n <= len(prompt)}
     for _ in range(DEEP_REPEATS):
-        for n in DEEP_SIZES:
+        for n in best:
             ctx.rewind(len(prompt))
             best[n] = min(best[n], _timed(ctx, prompt[:n]))
     ctx.rewind(len(prompt))
