@@ -97,10 +97,46 @@ def test_the_records_carry_the_accounting():
 
     d = Spy(FILE, len(PROMPT), verify_cost=flat_ish)
     ctx = FakeContext(FakeModel(V, EOG), answers(EDITED), 1024)
-    _, tokens, last = generate_text(Engine(ctx, d, FixedGamma(COPY_GAMMA_MAX), first_alone=True), PROMPT, 200)
-    acc, rej = expected_counts(d.drafts, EDITED)
-    assert tokens == EDITED and (last.prediction_accepted, last.prediction_rejected) == (acc, rej)
-    assert last.stats()["prediction_accepted"] == acc and last.stats()["prediction_rejected"] == rej
+    eng = Engine(ctx, d, FixedGamma(COPY_GAMMA_MAX), first_alone=True, prediction=FILE)
+    _, tokens, last = generate_text(eng, PROMPT, 200)
+    # OpenAI's accounting: the prediction's tokens that appear in the answer (all but the one replaced), and the rest
+    assert tokens == EDITED and (last.prediction_accepted, last.prediction_rejected) == (len(FILE) - 1, 1)
+    assert last.stats()["prediction_accepted"] == len(FILE) - 1 and last.stats()["prediction_rejected"] == 1
+
+
+def test_nothing_past_a_stop_string_is_counted():
+    """The parent keeps a long draft whose middle holds the stop string: the answer is cut there, and the kept drafts,
+    the prediction's among them, count only up to the cut (the usage never counts more than completion_tokens)."""
+    from specquant_cli.decoding.stream import appeared, generate_text
+
+    d = Spy(FILE, len(PROMPT), verify_cost=flat_ish)
+    ctx = FakeContext(FakeModel(V, EOG), answers(FILE), 1024)
+    eng = Engine(ctx, d, FixedGamma(COPY_GAMMA_MAX), first_alone=True, prediction=FILE)
+    text, tokens, last = generate_text(eng, PROMPT, 200, stop=[f"<{FILE[30]}>"])
+    assert tokens == FILE[:31] and last.finish_reason == "stop" and last.new_tokens == 31
+    assert eng.stats.drafted > 31  # the parent kept drafts past the stop
+    assert last.accepted <= last.new_tokens and last.prediction_accepted <= last.new_tokens
+    assert last.prediction_accepted == appeared(FILE, FILE[:31]) == 31
+    assert last.prediction_rejected == len(FILE) - 31
+
+
+def test_the_usage_is_a_function_of_the_request_alone():
+    """The same request three times over one shared drafting memory (a server's): the second and third find the answer
+    in the memory before the prediction does, and report the same counts as the first."""
+    from specquant_cli.decoding.memory import DraftMemory
+    from specquant_cli.decoding.stream import generate_text
+
+    shared = DraftMemory()
+    seen = []
+    for _ in range(3):
+        inner = SuffixDrafter(verify_cost=flat_ish, memory=shared)
+        d = PredictionDrafter(FILE, len(PROMPT), inner=inner, verify_cost=flat_ish)
+        ctx = FakeContext(FakeModel(V, EOG), answers(EDITED), 1024)
+        eng = Engine(ctx, d, FixedGamma(COPY_GAMMA_MAX), first_alone=True, prediction=FILE)
+        _, tokens, last = generate_text(eng, PROMPT, 200)
+        assert tokens == EDITED
+        seen.append((last.prediction_accepted, last.prediction_rejected))
+    assert seen == [(len(FILE) - 1, 1)] * 3
 
 
 def test_a_wrong_prediction_gives_way_to_the_policy_drafter():
@@ -299,13 +335,38 @@ def test_a_prediction_never_changes_a_greedy_answer_and_usage_counts_it(server, 
     client = server.client(key="none")
     plain, right, wrong = _ask(client, policy), _ask(client, policy, expected), _ask(client, policy, WRONG)
     _same_or_tie(request, [expected] + [r.choices[0].message.content for r in (plain, right, wrong)])
-    d, info = right.usage.completion_tokens_details, right.model_extra["specquant"]
-    assert d.accepted_prediction_tokens > N // 2 and d.rejected_prediction_tokens >= 0
-    assert d.accepted_prediction_tokens <= info["accepted"] and \
-        d.accepted_prediction_tokens + d.rejected_prediction_tokens <= info["drafted"]
-    for r in (plain, wrong):  # none proposed without one; a wrong one is kept nowhere
-        assert r.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    d = right.usage.completion_tokens_details
+    assert N // 2 < d.accepted_prediction_tokens <= right.usage.completion_tokens and d.rejected_prediction_tokens >= 0
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
     assert plain.usage.completion_tokens_details.rejected_prediction_tokens == 0
+    w = wrong.usage.completion_tokens_details  # another text: a few of its tokens (a newline, a parenthesis) appear
+    assert w.accepted_prediction_tokens < N // 4 and w.rejected_prediction_tokens > 0
+
+
+@pytest.mark.slow
+def test_the_server_counts_the_same_request_alike_and_nothing_past_a_stop(server, expected):
+    """The same new request three times in one scope (the drafting memory holds the first answer when the second
+    comes): the same usage each time. Cut by a stop string inside a kept copy: no count beyond completion_tokens."""
+    client = server.client(key="none")
+    salt = uuid.uuid4().hex
+    usages = []
+    for _ in range(3):
+        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": ASK}], max_tokens=N,
+                                           temperature=0, prediction={"type": "content", "content": expected},
+                                           extra_body={"specquant_policy": "suffix", "cache_salt": salt})
+        d = r.usage.completion_tokens_details
+        usages.append((d.accepted_prediction_tokens, d.rejected_prediction_tokens))
+    assert usages[0] == usages[1] == usages[2] and usages[0][0] > N // 2
+    stop = expected[len(expected) // 2:len(expected) // 2 + 3]
+    for stream in (False, True):
+        kw = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        r = _ask(client, "suffix", expected, stop=[stop], **kw)
+        last = list(r)[-1] if stream else r
+        usage, info = last.usage, last.model_extra.get("specquant") or {}
+        assert usage.completion_tokens < N
+        assert usage.completion_tokens_details.accepted_prediction_tokens <= usage.completion_tokens
+        if "accepted" in info:
+            assert info["accepted"] <= usage.completion_tokens
 
 
 @pytest.mark.slow
@@ -364,7 +425,7 @@ def _answer(session, policy, sp, prediction=None):
 
 
 @pytest.mark.slow
-def test_the_session_plans_the_copy_and_counts_what_the_engine_kept(session, request):
+def test_the_session_plans_the_copy_and_counts_what_the_answer_holds(session, request):
     from specquant_cli.decoding.sampling import GREEDY
 
     own = _answer(session, "parent", GREEDY)
@@ -372,9 +433,7 @@ def test_the_session_plans_the_copy_and_counts_what_the_engine_kept(session, req
     _same_or_tie(request, [own.text, a.text])
     assert a.plan.drafter == "suffix" and "prediction" in a.plan.why
     kept = sum(src == "prediction" for _, src in a.spans)  # a token of no text of its own has no span
-    assert a.last.prediction_accepted >= kept > N // 2
-    assert a.last.prediction_accepted <= a.last.accepted and \
-        a.last.prediction_accepted + a.last.prediction_rejected <= a.last.drafted
+    assert a.last.new_tokens >= a.last.prediction_accepted >= kept > N // 2
 
 
 STORY = "Tell me a short story about a lighthouse."

@@ -49,7 +49,7 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt tokens the parent decoded (the rest came from its prefix cache)
     new_tokens: int = 0
     drafted: int = 0
-    accepted: int = 0
+    accepted: int = 0  # drafted tokens the parent kept, of those handed out (a grammar's forced ones apart)
     parent_calls: int = 0
     prefill_s: float = 0.0  # parent prefill + the drafter's preparation (its prefill or KV import)
     parent_prefill_s: float = 0.0  # the parent's own prefill: the floor of any lossless plan
@@ -65,8 +65,8 @@ class EngineStats:
     guard_reopened: int = 0  # times it drafted again where the answer repeated a source
     forced: int = 0  # tokens a grammar forced, proposed at no draft cost (jump-forward)
     forced_accepted: int = 0  # of those, the parent's own picks
-    prediction_proposed: int = 0  # tokens of the request's prediction proposed as drafts (within `drafted`)
-    prediction_accepted: int = 0  # of those, the ones the parent kept (within `accepted`)
+    prediction_proposed: int = 0  # drafted tokens that were the request's prediction's (within `drafted`)
+    prediction_accepted: int = 0  # of those, the ones the parent kept, of those handed out (within `accepted`)
 
 
 class Engine:
@@ -74,7 +74,8 @@ class Engine:
                  gamma: Optional[GammaPolicy] = None, sampling: SamplingParams = GREEDY,
                  verifier: Optional[Verifier] = None, first_alone: bool = False,
                  constraint: Optional[Constraint] = None, jump_forward: bool = False,
-                 top_logprobs: Optional[int] = None, max_runs: int = MAX_SEGMENTS):
+                 top_logprobs: Optional[int] = None, max_runs: int = MAX_SEGMENTS,
+                 prediction: Optional[Sequence[int]] = None):
         """`first_alone`: the first token comes from the parent's own step, right after its prefill; the drafter
         prepares (its prefill or KV import) and drafts from the second token on. The time to the first token is
         then the parent's prefill and one step, not also the drafter's preparation and a draft; it costs one
@@ -85,8 +86,10 @@ class Engine:
         grammar forces are proposed before the drafter's, at no draft cost (a policy that speculates; the parent
         alone decodes them one by one). `top_logprobs`: record the parent's log-probabilities (TokenEvent.logprob)
         with that many alternatives. `max_runs`: drafter runs a cycle under a grammar (1 where a round pacer grants
-        each sequence its draft calls per cycle)."""
+        each sequence its draft calls per cycle). `prediction`: the request's prediction (token ids), whose tokens
+        that appear in the answer the usage counts (decoding.stream)."""
         self.parent = parent
+        self.prediction = list(prediction) if prediction else None
         self.first_alone = first_alone
         self.drafter = drafter
         self.gamma_policy = gamma if gamma is not None else FixedGamma(DEFAULT_GAMMA if drafter else 0)
@@ -147,6 +150,8 @@ class Engine:
                     st.guard_reopened = guard.reopened
             logprobs = getattr(self.verifier, "logprobs", None) or []
             for i, tok in enumerate(draft.tokens[:outcome.accepted] + [outcome.next_token]):
+                if i < outcome.accepted:
+                    self._kept(kinds[i])
                 seq.append(tok)
                 st.new_tokens += 1
                 eog = tok in self.eog_ids
@@ -163,19 +168,26 @@ class Engine:
             policy.reopen()
         return min(policy.draft_length(), room)
 
+    def _kept(self, kind: Source) -> None:
+        """A drafted token the parent kept, counted as it is handed out: a consumer that stops early (a stop string)
+        leaves what followed it uncounted, so the counts stay within the answer returned."""
+        st = self.stats
+        if kind == "grammar":
+            st.forced_accepted += 1
+            return
+        st.accepted += 1
+        st.prediction_accepted += kind == "prediction"
+
     def _drafters_part(self, kinds: list[Source], outcome: CycleOutcome) -> CycleOutcome:
         """The cycle as the drafter and γ see it: its own tokens proposed and accepted, and the forced tokens the
-        parent kept as `free` (all counted in the stats, as are the prediction's tokens proposed and kept); when the
+        parent kept as `free` (the stats count the tokens proposed here, those kept as they are handed out); when the
         parent parted from the draft at a forced token, the drafter's tokens after it were never judged: it proposed
         nothing this cycle, as far as it learns."""
         st, k = self.stats, outcome.accepted
         forced = [kind == "grammar" for kind in kinds]
         free = sum(forced[:k])
         st.forced += sum(forced)
-        st.forced_accepted += free
         st.prediction_proposed += kinds.count("prediction")
-        st.prediction_accepted += kinds[:k].count("prediction")
-        st.accepted -= free
         judged = not (k < len(kinds) and forced[k])
         return CycleOutcome(len(kinds) - sum(forced) if judged else 0, k - free, outcome.next_token,
                             outcome.draft_s, outcome.verify_s, outcome.scored, free)
@@ -245,6 +257,5 @@ class Engine:
         dt = time.perf_counter() - t0
         st = self.stats
         st.parent_calls += 1
-        st.accepted += accepted
         st.verify_s += dt
         return CycleOutcome(len(draft.tokens), accepted, nxt, draft_s, dt, len(draft.tokens) + 1)

@@ -18,8 +18,9 @@ FallbackDrafter's model does.
 
 A draft whose tokens are the prediction's own where the answer stands in it carries the source "prediction"
 (names.Source), whichever drafter found it (the prompt often holds the same file): the engine counts those proposed
-and those the parent kept (EngineStats.prediction_proposed / prediction_accepted), the usage's accepted and rejected
-prediction tokens."""
+and those the parent kept (EngineStats.prediction_proposed / prediction_accepted: how the drafting went). The usage's
+accepted and rejected prediction tokens are OpenAI's instead: the prediction's tokens that appear in the answer
+returned, and the rest (decoding.stream.appeared), a function of the request alone."""
 
 from __future__ import annotations
 

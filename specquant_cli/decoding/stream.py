@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from difflib import SequenceMatcher
 from typing import Optional
 
 from specquant_cli.backend.llama import Detokenizer
@@ -56,8 +57,10 @@ class Response:
     guard_reopened: int = 0  # times it drafted again where the answer repeated a source
     forced: int = 0  # tokens a grammar forced, proposed at no draft cost
     forced_accepted: int = 0  # of those, the parent's own picks
-    prediction_accepted: int = 0  # tokens of the request's prediction proposed as drafts that the parent kept
-    prediction_rejected: int = 0  # ... and those it did not (proposed, verified, not kept)
+    # on the last record: the request's prediction tokens that appear in the answer (OpenAI's accepted prediction
+    # tokens), and the rest of the prediction (its rejected ones)
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
     logprobs: list = field(default_factory=list)  # the parent's TokenLogprob of this record's token, when asked
 
     def stats(self) -> dict:
@@ -65,9 +68,23 @@ class Response:
         return {k: d[k] for k in STAT_FIELDS}
 
 
+def appeared(prediction: Sequence[int], answer: Sequence[int]) -> int:
+    """The tokens of `prediction` that appear in `answer`, in order (the matching blocks of the two token sequences):
+    OpenAI's accepted prediction tokens, the rest of the prediction its rejected ones. A function of the prediction and
+    the answer alone, so of the request (whichever drafter proposed the text, whatever an earlier request left in the
+    drafting memory)."""
+    if not prediction or not answer:
+        return 0
+    blocks = SequenceMatcher(None, list(prediction), list(answer), autojunk=False).get_matching_blocks()
+    return sum(b.size for b in blocks)
+
+
 def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finish=None,
-            spans: Sequence[Span] = (), logprob=None) -> Response:
+            spans: Sequence[Span] = (), logprob=None, answer: Optional[Sequence[int]] = None) -> Response:
+    """A record of `engine`'s answer so far; the last (`answer`: the tokens handed out) counts the prediction's."""
     s = engine.stats
+    predicted = engine.prediction
+    accepted = appeared(predicted, answer) if predicted and answer is not None else 0
     total = time.perf_counter() - t0
     decode = total - s.parent_prefill_s
     return Response(
@@ -81,8 +98,7 @@ def _record(engine: Engine, t0: float, text: str, token, from_draft: bool, finis
         decode_tokens_per_s=s.new_tokens / decode if decode > 0 else 0.0, finish_reason=finish, spans=list(spans),
         levels=dict(s.levels), guard_stop=s.guard_stop, guard_reopened=s.guard_reopened, forced=s.forced,
         forced_accepted=s.forced_accepted,
-        prediction_accepted=s.prediction_accepted,
-        prediction_rejected=s.prediction_proposed - s.prediction_accepted,
+        prediction_accepted=accepted, prediction_rejected=len(predicted) - accepted if predicted else 0,
         logprobs=[logprob] if logprob is not None else [])
 
 
@@ -121,11 +137,13 @@ def stream_generate(engine: Engine, prompt: Sequence[int], max_tokens: int,
     pending, spans, source = "", [], "parent"  # text not yet emitted, its spans, the last token's source
     finish: FinishReason = "length"
     events = engine.generate(prompt, max_tokens)
+    answer: list[int] = []  # the tokens handed out (completion_tokens)
     try:
         for ev in events:
             if ev.eog:
                 finish = "stop"
                 break
+            answer.append(ev.token)
             piece, source = detok.add(ev.token), ev.source
             pending += piece
             spans += [(piece, source)] if piece else []
@@ -145,7 +163,7 @@ def stream_generate(engine: Engine, prompt: Sequence[int], max_tokens: int,
         finish = "interrupted"
     finally:
         events.close()
-    yield _record(engine, t0, pending, None, False, finish, spans)
+    yield _record(engine, t0, pending, None, False, finish, spans, answer=answer)
 
 
 def generate_text(engine: Engine, prompt: Sequence[int], max_tokens: int, stop: Sequence[str] = ()):

@@ -151,7 +151,7 @@ class Runtime:
             constraint = Constraint(grammar, target.model)
         return Engine(target, drafter, gamma, sp, first_alone=True, constraint=constraint,
                       jump_forward=speculates, top_logprobs=top_logprobs,
-                      max_runs=1 if self.costs.pacer is not None else MAX_SEGMENTS)
+                      max_runs=1 if self.costs.pacer is not None else MAX_SEGMENTS, prediction=prediction)
 
     def reset_caches(self) -> None:
         """Empty every KV cache (the bench's fresh-request state). Persistent drafters keep their memory."""
