@@ -183,23 +183,33 @@ def same_file(a: Path, b: Path) -> bool:
 
 def check_folder_writable(folder: Path, what: str, create: bool = False) -> Path:
     """A folder we can create files in, with a one-line error naming the option (`what`) otherwise."""
+    why = folder_problem(folder, create)
+    if why:
+        raise InputError(f"{what} {folder}: {why}")
+    return Path(folder)
+
+
+def folder_problem(folder: Path, create: bool = False) -> Optional[str]:
+    """Why `folder` is no folder we can create files in (made first, with its parents, when `create`), else None.
+    os.path's tests, which read any error as "no": a name too long for the OS is then one the folder cannot be
+    created under, not an OSError."""
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise InputError(f"{what} {folder}: not a folder")
-    if not folder.exists():
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return "not a folder"
+    if not os.path.isdir(folder):
         if not create:
-            raise InputError(f"{what} {folder}: no such folder")
+            return "no such folder"
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise InputError(f"{what} {folder}: cannot create the folder ({e.strerror})") from None
+            return f"cannot create the folder ({e.strerror})"
     try:
         fd, probe = create_temp(folder / "write-probe")
     except OSError as e:
-        raise InputError(f"{what} {folder}: not writable ({e.strerror})") from None
+        return f"not writable ({e.strerror})"
     os.close(fd)
     probe.unlink()
-    return folder
+    return None
 
 
 def check_output_file(path: Path, what: str) -> None:

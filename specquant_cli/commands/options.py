@@ -304,7 +304,10 @@ def warn_above_trained_ctx(fam, n_ctx: int) -> None:
 def remember_family(root: Path, default: bool = True) -> None:
     """pull's and quantize's last step: the family at `root` added to the models folder's index (family.store), so
     --family NAME finds it from any folder, and made the default when `default` (not the test family while another
-    is known); said on stderr. An index that cannot be written is a warning: the family itself is made."""
+    is known); said on stderr, by the name the index records (its folder's, `--out ..` included). An index that
+    cannot be written is a warning: the family itself is made."""
+    import os
+
     from specquant_cli.console import err, warn
     from specquant_cli.family import store
     from specquant_cli.settings import models_dir
@@ -312,11 +315,25 @@ def remember_family(root: Path, default: bool = True) -> None:
     folder = models_dir()
     if folder is None:
         return
+    name = Path(os.path.abspath(root)).name
     try:
-        now_default = store.remember(folder, root, store.current_folder(), default)
+        now_default = store.remember(folder, root, store.current_folder(), default, warn=warn)
     except OSError as e:
-        warn(f"{folder / store.INDEX}: cannot record {Path(root).name} there ({e.strerror or e}); name it by its "
+        warn(f"{folder / store.INDEX}: cannot record {name} there ({e.strerror or e}); name it by its "
              f"folder: --family {root}")
         return
-    err.print(f"  --family {Path(root).name} runs it from any folder" + (" (the default family)" if now_default
-                                                                       else ""), markup=False)
+    err.print(f"  --family {name} runs it from any folder" + (" (the default family)" if now_default else ""),
+              markup=False)
+
+
+def check_models_folder(cfg: Settings) -> None:
+    """The models folder runtime.models names, when it is set, checked (made when missing) before a family is made
+    in it: a file there, or a folder that cannot be made or written, is one line naming where the value came from
+    (SPECQUANT_MODELS=..., --models ..., specquant.toml), not the family's folder inside it."""
+    from specquant_cli.fsutil import folder_problem
+
+    folder = cfg.runtime.models
+    why = folder_problem(folder, create=True) if folder is not None else None
+    if why:
+        raise InputError(f"{cfg.stated('runtime.models')}: {why}; the models folder is where pull and quantize make "
+                         "families")

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from specquant_cli.commands.options import remember_family, with_settings
+from specquant_cli.commands.options import check_models_folder, remember_family, with_settings
 from specquant_cli.console import byte_progress, err, gib
 from specquant_cli.family.fetch import FAMILIES
 from specquant_cli.family.roles import OWN
@@ -33,11 +33,12 @@ def pull(
     from specquant_cli.family import fetch, store
     from specquant_cli.settings import models_dir as store_folder
 
-    if models_dir is None:  # where the family is made: --models, else a checkout's ./models, else the models folder
-        models_dir = store.destination(store_folder(), store.current_folder(), cfg.runtime.models is not None)
     local = fetch.is_file_name(name)
     if not local:
         fetch.spec_for(name)
+    if models_dir is None:  # where the family is made: --models, else a checkout's ./models, else the models folder
+        check_models_folder(cfg)
+        models_dir = store.destination(store_folder(), store.current_folder(), cfg.runtime.models is not None)
     t0 = time.perf_counter()
     with byte_progress() as prog:
         tasks: dict[str, int] = {}

@@ -27,8 +27,8 @@ def register(app: typer.Typer) -> None:
 def quantize(
     base: Optional[Path] = typer.Argument(None, help="A float GGUF, or a quantized one kept as the parent",
                                           metavar="[BASE]"),
-    family: Optional[Path] = typer.Option(None, FAMILY_FLAG, metavar="NAME|DIR", show_default="the base's name",
-                                          help="The family to make or add to"),
+    family: Optional[str] = typer.Option(None, FAMILY_FLAG, metavar="NAME|DIR", show_default="the base's name",
+                                         help="The family to make or add to"),  # as typed: ./x is a path, x a name
     out: Optional[Path] = typer.Option(None, "--out", hidden=True,
                                        help="The family's folder (the old spelling of --family; a path as given)"),
     draft_model: Optional[Path] = typer.Option(
@@ -83,6 +83,8 @@ def quantize(
     for suffix in ("-f16", ".f16", "-bf16", ".bf16"):
         stem = stem.removesuffix(suffix)
     out_dir = out if out is not None else _target(family, stem, cfg)
+    by_name = out is None and (family is None or _is_plain_name(family))
+    _check_name_free(out_dir, force)
     if recipes and imatrix is not None:  # before any plain type is quantized: a bad one fails first, in one line
         from specquant_cli.family.imatrix import check_option_imatrix
 
@@ -99,6 +101,7 @@ def quantize(
         if qtypes or not info.is_float:  # a quantized base is placed as the parent, drafts or none
             manifest = quantize_family(base, out_dir, qtypes, threads=threads, force=force,
                                        allow_requantize=allow_requantize, progress=progress, f16_if_exact=types is None,
+                                       replace_other=force or not by_name,
                                        warn=lambda t: prog.console.print(f"warning: {t}", markup=False))
         if recipes:
             manifest = add_variants(out_dir, recipes, base=base, imatrix_path=imatrix, threads=threads, force=force,
@@ -115,7 +118,7 @@ def quantize(
     remember_family(out_dir)
 
 
-def _located(family: Path) -> Path:
+def _located(family: str) -> Path:
     """The existing family --family names (family.store.locate: a folder, or a name found from any folder)."""
     from specquant_cli.family import store
     from specquant_cli.settings import models_dir
@@ -123,13 +126,40 @@ def _located(family: Path) -> Path:
     return store.locate(family, models_dir(), store.current_folder())
 
 
-def _target(family: Optional[Path], stem: str, cfg: Settings) -> Path:
+def _target(family: Optional[str], stem: str, cfg: Settings) -> Path:
     """The folder a new family is made in (family.store.target): --family's, else the base's name in the models
-    folder (a checkout's ./models without --models)."""
+    folder (a checkout's ./models without --models), that folder checked first when it is the setting's."""
+    from specquant_cli.commands.options import check_models_folder
     from specquant_cli.family import store
     from specquant_cli.settings import models_dir
 
+    if family is None or _is_plain_name(family):
+        check_models_folder(cfg)
     return store.target(family, stem, models_dir(), store.current_folder(), cfg.runtime.models is not None)
+
+
+def _is_plain_name(family: str) -> bool:
+    """--family is a name (store.is_name), not a folder here holding a family: the family it reaches, found or new,
+    is the name's, not a folder the user gave, so another family there is replaced only with --force."""
+    from specquant_cli.family import store
+
+    return store.is_name(family) and not store.is_family(family)
+
+
+def _check_name_free(out_dir: Path, force: bool) -> None:
+    """A new family takes its folder's name only when no other family known has it (store.holder: the index keeps
+    one folder per name, and --family NAME would run the other one), unless --force: then the name runs the new
+    one, and the other keeps its folder (store.remember says so)."""
+    from specquant_cli.family import store
+    from specquant_cli.settings import models_dir
+
+    if force or store.is_family(out_dir):
+        return
+    other = store.holder(out_dir, models_dir(), store.current_folder())
+    if other is not None:
+        raise InputError(f"the name {other.name} is taken: {other.root} holds the family {other.name} (made from "
+                         f"{store.made_from(other.root)}); pass --force to give the name to this family (that one then "
+                         f"runs by its folder), or make this one in a folder of another name")
 
 
 def _say_quantized_parent(base: Path, info, manifest: dict) -> None:

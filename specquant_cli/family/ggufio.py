@@ -49,6 +49,10 @@ class GGUFInfo:
     chat_template: Optional[str] = None
     vocab_sha256: Optional[str] = None  # fingerprint of tokenizer.ggml.tokens: variants of a family share it
     split: tuple[int, int] = (0, 1)  # (split.no, split.count): a model llama-gguf-split cut into several files
+    # type name -> weights held in the blocks' (blk.*) 2-D+ tensors whose rows fit a quantized block (a multiple of
+    # 32): what a file type writes its main tensors as (token_embd and output are kept at more bits by every type,
+    # and a row no block fits is F16 under every type)
+    block_elements: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_float(self) -> bool:
@@ -250,6 +254,7 @@ def read_info(path: Path) -> GGUFInfo:
         raise ModelFileError(f"{path}: architecture {arch!r} is not one llama.cpp knows")
     types: dict[str, int] = {}
     elements: dict[str, int] = {}
+    blocks: dict[str, int] = {}
     n_params, end = 0, 0
     for t in header.tensors:
         try:
@@ -264,6 +269,8 @@ def read_info(path: Path) -> GGUFInfo:
         if len(t.shape) >= 2 and int(np.prod(t.shape[1:], dtype=object)) > 1:
             types[qtype.name] = types.get(qtype.name, 0) + 1
             elements[qtype.name] = elements.get(qtype.name, 0) + n
+            if t.name.startswith("blk.") and t.shape[0] % 32 == 0:
+                blocks[qtype.name] = blocks.get(qtype.name, 0) + n
     if end > size or not header.tensors:
         raise ModelFileError(f"{path}: truncated GGUF (tensor data ends at byte {end}, file has {size})")
     weight_type = max(types, key=types.get) if types else "F32"
@@ -284,7 +291,7 @@ def read_info(path: Path) -> GGUFInfo:
         file_type=file_type, hparams=hp,
         provenance=text(PROVENANCE_KEY), chat_template=text("tokenizer.chat_template"),
         vocab_sha256=kv.get("tokenizer.ggml.tokens") if isinstance(kv.get("tokenizer.ggml.tokens"), str) else None,
-        split=(_count(kv.get("split.no"), 0), _count(kv.get("split.count"), 1)),
+        split=(_count(kv.get("split.no"), 0), _count(kv.get("split.count"), 1)), block_elements=blocks,
     )
 
 
@@ -356,16 +363,44 @@ def claimed_bits(file_type: str) -> Optional[float]:
 
 
 def type_problem(info: GGUFInfo) -> Optional[str]:
-    """Why the header's claimed type (general.file_type) is not what the file's weights are: weights of fewer bits
-    than that type ever stores (a header edited, or written by a tool that got it wrong), else None. A type the
-    header does not name, or a claim gguf cannot price, is no problem here."""
+    """Why the header's claimed type (general.file_type) is not what the file's weights are, else None: weights of
+    fewer bits than that type ever stores, or blocks mostly of more bits than it ever writes them in (`_more_bits`;
+    a header edited, or written by a tool that got it wrong). A type the header does not name, or a claim gguf
+    cannot price, is no problem here."""
     want, got = claimed_bits(info.file_type), weight_bits(info)
-    if want is None or got is None or got >= want * TYPE_SLACK:
+    if want is None or got is None:
         return None
-    most = max(info.weight_elements, key=info.weight_elements.get)
+    if got < want * TYPE_SLACK:
+        most = max(info.weight_elements, key=info.weight_elements.get)
+        return (f"{info.path}: its header says {info.file_type} (general.file_type), but its weights are mostly "
+                f"{most} ({got:.2f} bits per weight on average, {info.file_type} stores {want:.2f}): the header does "
+                "not describe the file; refusing to record it as what it is not")
+    return _more_bits(info)
+
+
+# Where a tensor's rows do not fit a type's block, llama.cpp's quantizer writes it in this type instead
+# (llama_tensor_get_type's fallback; F16 where no quantized block fits: left out of GGUFInfo.block_elements).
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0",
+             **dict.fromkeys(("Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
+                              "IQ1_M"), "IQ4_NL")}
+
+
+def _more_bits(info: GGUFInfo) -> Optional[str]:
+    """Why the file's blocks are mostly of a type of more bits than its claimed type writes them in (its main type,
+    or that type's fallback), else None: a header saying Q4_K_M over Q8_0 weights would have the parent recorded,
+    priced and drafted for as the smaller file it is not. Only the blocks' weights count: every type keeps
+    token_embd and output, and some of a block's tensors (attn_v, ffn_down), at more bits, but never most of them."""
+    main = _MAIN_TYPE.get(info.file_type, info.file_type)
+    most_bits = max(type_bits(main) or 0.0, type_bits(_FALLBACK.get(main, main)) or 0.0)
+    if not info.block_elements or not most_bits:
+        return None
+    most = max(info.block_elements, key=info.block_elements.get)
+    got = type_bits(most)
+    if got is None or got <= most_bits:
+        return None
     return (f"{info.path}: its header says {info.file_type} (general.file_type), but its weights are mostly {most} "
-            f"({got:.2f} bits per weight on average, {info.file_type} stores {want:.2f}): the header does not describe "
-            "the file; refusing to record it as what it is not")
+            f"({got:.2f} bits per weight; {info.file_type} writes a model's blocks in {most_bits:.2f} at most): the "
+            "header does not describe the file; refusing to record it as what it is not")
 
 
 def ftype_name(ft) -> str:

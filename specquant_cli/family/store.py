@@ -15,6 +15,11 @@ is a checkout's (the current folder holds specquant_cli/, or ./models already ho
 `models/…` paths keep working; else the models folder. Either way pull and quantize add it to the index
 (`remember`), so every command finds it by name from any folder.
 
+One family per name (the index keeps one folder per name): quantize refuses a new family whose name another family
+known already has (`holder`) unless --force, and `remember` says when a name moves to another folder. What quantize
+takes as a name and what as a folder (`target`): a plain word is a name; a path is the folder it names; '.' and '..'
+are neither (`dot_problem`); a value no folder can have is one line (`ref_problem`).
+
 The default family (`default_family`), when nothing names one: the index's default (the family pulled or quantized
 last); else, of the families known, the one made last (its manifest written last). The test family (TEST_FAMILY:
 the set-up scripts pull it on every run) is never the default while another family is known: pull and quantize do
@@ -39,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from specquant_cli.errors import FamilyError
+from specquant_cli.errors import FamilyError, InputError
 from specquant_cli.fsutil import write_json_atomic
 from specquant_cli.names import MANIFEST
 
@@ -50,6 +55,8 @@ TEST_FAMILY = "smollm2-135m"  # family.fetch's small family for tests and the qu
 SCHEMA = 1
 MAX_INDEX_BYTES = 1 << 20  # an index is a line per family
 LOCK_WAIT_S = 10.0  # the longest wait for the index's lock
+NAME_MAX = 255  # bytes in one file name (Linux): a family's name is its folder's name
+PATH_MAX = 4095  # bytes in a path the OS takes
 WHERE = ("./models", "models folder", "index")  # Known.where, in the order a name is looked up
 
 Warn = Callable[[str], None]
@@ -88,6 +95,36 @@ def is_family(folder: Path) -> bool:
         return os.path.lexists(Path(folder) / MANIFEST)
     except (OSError, ValueError):
         return False
+
+
+def ref_problem(ref, label: str = "family") -> Optional[str]:
+    """Why a --family value can name no folder on this system (a part longer than a file name may be: NAME_MAX bytes;
+    or a path longer than PATH_MAX), as one line naming it after `label`, else None: the OS would refuse it with an
+    error that names no option."""
+    raw = os.fsencode(str(ref))
+    longest = max((len(part) for part in raw.split(b"/")), default=0)
+    if longest <= NAME_MAX and len(raw) <= PATH_MAX:
+        return None
+    text = str(ref)
+    shown = repr(text if len(text) <= 48 else text[:40] + "…")
+    if longest > NAME_MAX:
+        return (f"{label} {shown} ({len(text)} characters): a name of {longest} bytes; a family's name is its "
+                f"folder's name, at most {NAME_MAX} bytes")
+    return f"{label} {shown}: a path of {len(raw)} bytes; at most {PATH_MAX}"
+
+
+def dot_problem(ref) -> Optional[str]:
+    """Why a --family value names no family to make (quantize): '.', '..' or a path ending in one is the folder here
+    or one above, no family's own folder and no name (a family made there would take that folder's name, and its
+    files would land among whatever the folder holds), else None."""
+    if not str(ref):
+        return "--family '': empty; give a name (--family my-model) or the family's folder (--family ./my-model)"
+    text = str(ref).rstrip("/") or "/"
+    if text == "/" or os.path.basename(text) in (".", ".."):
+        folder = _absolute(Path(text))
+        return (f"--family {ref}: names the folder {folder}, not a family; give a name (--family my-model) or the "
+                f"family's own folder as a path (--family {folder / 'my-model'})")
+    return None
 
 
 def _absolute(folder: Path) -> Path:
@@ -214,13 +251,19 @@ def _locked(store: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def remember(store: Path, root: Path, cwd: Optional[Path], default: bool = True) -> bool:
+def remember(store: Path, root: Path, cwd: Optional[Path], default: bool = True, warn: Warn = _silent) -> bool:
     """Add the family at `root` to the index under its folder's name, and make it the default family when
     `default` — unless it is the test family and another family is known. Entries whose folder holds no family
-    any more are dropped. Returns whether it is the default now. OSError when the index cannot be written."""
+    any more are dropped; an entry of that name for another family is replaced, said through `warn` (quantize
+    asks for --force first: `holder`). Returns whether it is the default now. OSError when the index cannot be
+    written."""
     root = _absolute(root)
     with _locked(Path(store)):
         index = read_index(store)
+        was = index.families.get(root.name)
+        if was is not None and is_family(was) and os.path.realpath(was) != os.path.realpath(root):
+            warn(f"the name {root.name} now runs {root}; the family at {was} keeps its folder and runs by it: "
+                 f"--family {was}")
         index.families = {n: f for n, f in index.families.items() if is_family(f) and f != root}
         index.families[root.name] = root
         real = os.path.realpath(root)
@@ -262,10 +305,33 @@ def find(name: str, store: Optional[Path], cwd: Optional[Path], warn: Warn = _si
     return None
 
 
-def locate(ref: Path, store: Optional[Path], cwd: Optional[Path], warn: Warn = _silent) -> Path:
+def holder(root: Path, store: Optional[Path], cwd: Optional[Path]) -> Optional[Known]:
+    """Another family known by the name of the folder `root` (one in another folder), or None: a family made at
+    `root` would take the name from it (the index keeps one folder per name)."""
+    real = os.path.realpath(root)
+    name = _absolute(root).name
+    return next((k for k in known(store, cwd) if k.name == name and os.path.realpath(k.root) != real), None)
+
+
+def made_from(root: Path) -> str:
+    """The base file the family at `root` was made from, as its manifest records it ("another base" when it does
+    not say)."""
+    from specquant_cli.family.manifest import read_existing
+
+    old, _ = read_existing(Path(root))
+    base = old.get("base") if old else None
+    file = base.get("file") if isinstance(base, dict) else None
+    return file if isinstance(file, str) and file else "another base"
+
+
+def locate(ref: Path | str, store: Optional[Path], cwd: Optional[Path], warn: Warn = _silent) -> Path:
     """The folder a --family value names: a folder holding a family, as given; else a plain name found by `find`;
-    else, for a plain name that is no folder here either, FamilyError naming the families known; else the path as
-    given (Family.load says what is wrong with it)."""
+    else, for a plain name that is no folder here either, FamilyError naming the families known (and, for a name
+    the index records at a folder that holds no family now, that folder); else the path as given (Family.load says
+    what is wrong with it). FamilyError for a value no folder can have (ref_problem)."""
+    why = ref_problem(ref)
+    if why:
+        raise FamilyError(why)
     ref = Path(ref)
     if is_family(ref) or not is_name(ref):
         return ref
@@ -276,21 +342,31 @@ def locate(ref: Path, store: Optional[Path], cwd: Optional[Path], warn: Warn = _
         return ref
     names = sorted({k.name for k in known(store, cwd)})
     have = f"known: {', '.join(names)} (specquant list)" if names else "none is pulled yet"
+    gone = read_index(store).families.get(str(ref))
+    if gone is not None:
+        raise FamilyError(f"no model family named {str(ref)!r} now: the index ({Path(store) / INDEX}) records it at "
+                          f"{gone}, which {'holds no family' if os.path.isdir(gone) else 'is gone'} (moved or "
+                          f"removed); run it by its new folder (--family DIR), or make it again with: specquant "
+                          f"quantize FILE --family {ref}" + (f"; known: {', '.join(names)}" if names else ""))
     raise FamilyError(f"no model family named {str(ref)!r} ({have}); fetch one with: specquant pull NAME "
                       f"({', '.join(_demo_names())}), or make one with: specquant quantize FILE --family NAME")
 
 
-def target(ref: Optional[Path], name: str, store: Optional[Path], cwd: Optional[Path], store_given: bool) -> Path:
-    """The folder quantize makes a family in (or adds to): `ref` (its --family) when it is a folder here or a path;
-    a plain name: the family of that name (`find`), else a new folder of that name in the `destination`; none: a
-    new folder `name` (the base's) there."""
-    if ref is not None and (Path(ref).is_dir() or not is_name(ref)):
-        return Path(ref)
+def target(ref: Optional[Path | str], name: str, store: Optional[Path], cwd: Optional[Path], store_given: bool) -> Path:
+    """The folder quantize makes a family in (or adds to), by docs/models.md's rules: `ref` (its --family) when it
+    is a folder holding a family, or a path (a value with a '/'); a plain name, or none (`name`, the base's): the
+    family of that name (`find`), else a new folder of that name in the `destination` (a folder of that name here
+    that holds no family is not it: a name is looked up where names are). InputError for a value that names no
+    family to make (ref_problem, dot_problem: '.', '..')."""
     if ref is not None:
-        found = find(str(ref), store, cwd)
-        if found is not None:
-            return found
-    return destination(store, cwd, store_given) / (str(ref) if ref is not None else name)
+        why = ref_problem(ref, "--family") or dot_problem(ref)
+        if why:
+            raise InputError(why)
+        if is_family(ref) or not is_name(ref):
+            return Path(ref)
+    key = str(ref) if ref is not None else name
+    found = find(key, store, cwd)
+    return found if found is not None else destination(store, cwd, store_given) / key
 
 
 def _demo_names() -> list[str]:
