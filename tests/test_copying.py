@@ -179,3 +179,16 @@ def test_a_rate_guard_that_rests_looks_again_where_the_answer_repeats_a_source()
     assert eng.stats.guard_reopened >= 1 and eng.stats.guard_stop == 0
     # the novel part one call a token, the copy once a match of COPY_MATCH tokens offers it (resting: a call a token)
     assert eng.stats.parent_calls <= len(novel) + COPY_MATCH + plain_copy_calls(), eng.stats.parent_calls
+
+
+def test_the_prediction_follows_a_longer_draft_of_its_own_text_from_the_policy_drafter():
+    """The policy's suffix drafter copies the prediction's text from the prompt in drafts longer than the prediction's
+    own (counted as the prediction's): the prediction's drafter follows what the parent kept of them."""
+    answer = [59] + FILE  # a novel first token: no copy of the prediction stands at the start
+    inner = SuffixDrafter(verify_cost=lambda n: 1.0)  # flat: the longest drafts
+    d = PredictionDrafter(FILE, len(PROMPT) + len(FILE), inner=inner, verify_cost=lambda n: 1.0 + 0.5 * (n - 1))
+    prompt = PROMPT + FILE
+    ctx = FakeContext(FakeModel(V, EOG), lambda toks: peaked(
+        answer[len(toks) - len(prompt)] if 0 <= len(toks) - len(prompt) < len(answer) else EOG, V), 2048)
+    eng = Engine(ctx, d, FixedGamma(COPY_GAMMA_MAX), first_alone=True)
+    assert [e.token for e in eng.generate(prompt, 300) if not e.eog] == answer

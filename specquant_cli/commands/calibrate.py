@@ -57,6 +57,10 @@ def calibrate(
     if c.deep_pos:
         deep = " · ".join(f"{role} {c.depth_factor(role, 1, c.deep_pos):.2f}x" for role in c.deep_call_s)
         err.print(f"  one-token call after {c.deep_pos} positions: {deep}", markup=False)
+        curve = c.deep_call_s.get("parent", {})
+        if len(curve) > 1:
+            deep = " · ".join(f"{n}: {s * 1000:.1f} ({s / c.call_s(n):.2f}x)" for n, s in sorted(curve.items()))
+            err.print(f"  parent call after {c.deep_pos} positions, ms by tokens  {deep}", markup=False)
     at = c.deep_pos or 64
     for role in c.import_s:
         err.print(f"  {role} KV import of {at} positions {c.import_cost(role, at) * 1000:.1f} ms", markup=False)

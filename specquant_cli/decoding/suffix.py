@@ -24,7 +24,14 @@ from typing import Optional
 
 from specquant_cli.decoding.copying import Edits, Place, Step, follow
 from specquant_cli.decoding.drafters import DrafterBase
-from specquant_cli.decoding.gamma import COPY_GAMMA_MAX, Acceptance, best_draft_length, expected_tokens, verify_shape
+from specquant_cli.decoding.gamma import (
+    COPY_GAMMA_MAX,
+    Acceptance,
+    CallCost,
+    best_draft_length,
+    expected_tokens,
+    verify_shape,
+)
 from specquant_cli.decoding.memory import MAX_EXTEND, DraftMemory, Recorder, offset
 from specquant_cli.decoding.protocols import CycleOutcome, Draft, verified
 
@@ -66,7 +73,7 @@ class SuffixDrafter(DrafterBase):
                  min_prob: float = 0.3, memory: Optional[DraftMemory] = None, record: bool = True,
                  priors: Sequence[float] = PRIOR_ALPHA):
         self.gamma_max = gamma_max  # the engine's draft length (a plan's cap) bounds it too
-        self.verify_cost = verify_cost or verify_shape
+        self.verify_cost = verify_cost if isinstance(verify_cost, CallCost) else CallCost(verify_cost or verify_shape)
         self.min_prob = min_prob
         self.memory = memory if memory is not None else DraftMemory()
         self.recorder = Recorder(self.memory) if record else None
@@ -116,10 +123,11 @@ class SuffixDrafter(DrafterBase):
         if self.recorder is not None:
             self.recorder.record(seq)
 
-    def _best_length(self, alpha: float, available: int, n: int) -> int:
-        """The draft length worth its verifying call: no draft model, so the cost is that call alone."""
-        return best_draft_length(lambda gamma: expected_tokens(alpha, gamma) / self.verify_cost(gamma + 1),
-                                 min(n, available))[0]
+    def _best_length(self, alpha: float, available: int, n: int, pos: int = 0) -> int:
+        """The draft length worth its verifying call at context position `pos`: no draft model, so the cost is that
+        call alone."""
+        cost = self.verify_cost.at(pos)
+        return best_draft_length(lambda gamma: expected_tokens(alpha, gamma) / cost(gamma + 1), min(n, available))[0]
 
     def _alpha(self, kind: int, held: int) -> float:
         """The per-token acceptance a draft of `kind` is sized with: its measured one, raised by what the text it
@@ -165,7 +173,7 @@ class SuffixDrafter(DrafterBase):
             start = survivors[0] if track and len(survivors) == 1 else None
             place = Place(start) if start is not None else None
             steps = [Step(t, Place(start + i + 1)) for i, t in enumerate(tokens)] if start is not None else []
-        g = self._best_length(self._alpha(kind, held), len(tokens), n)
+        g = self._best_length(self._alpha(kind, held), len(tokens), n, len(seq))
         if g == 0:
             return Draft()
         self._last, self._steps, self._from = (kind, start, len(seq)), steps[:g], place
@@ -227,6 +235,13 @@ class SuffixDrafter(DrafterBase):
         if self._from is None or n != len(seq):
             return
         k, steps = outcome.accepted, self._steps
+        if len(steps) < min(outcome.proposed, k + 1):  # a longer draft of the same text was verified (another
+            # drafter's, of the prediction's own tokens: decoding.prediction): followed as far as it was kept
+            need = min(outcome.proposed, k + 1)
+            steps = follow(self.memory.read(self._from.at, need + self.edits.span), self._from, need, self.edits)
+            if len(steps) < k:  # the document ends before what was kept: nothing to follow
+                self._cursor = self._departed = None
+                return
         if trial is not None and kind == REJOIN and k >= 1:  # the rejoin held: the edit that led to it is learned
             self.edits.learn(*trial)
         before = steps[k - 1].after if k else self._from  # where the copy stood at the parent's own token

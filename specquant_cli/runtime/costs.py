@@ -146,11 +146,14 @@ class CostModel:
             self.report.warn(f"calibration not saved ({e.strerror}): it is measured again next time")
 
     def verify_cost(self) -> Callable[[int], float]:
-        """A parent call on n tokens relative to one token (measured, or the prior shape)."""
-        from specquant_cli.decoding.gamma import verify_shape
+        """A parent call on n tokens relative to one token (measured, or the prior shape), and its `at(pos)`: the same
+        after pos positions of context where the calibration measured calls deep in it (decoding.gamma.CallCost)."""
+        from specquant_cli.decoding.gamma import CallCost, verify_shape
 
         c = self.calibration(measure=False)
-        return c.verify_cost if c else verify_shape
+        if c is None:
+            return CallCost(verify_shape)
+        return CallCost(c.verify_cost, (lambda pos: c.at(pos).verify_cost) if c.deep_call_s else None)
 
     def copy_length(self) -> int:
         """The draft length a copied answer is planned at (decoding.gamma.copy_length): from this machine's measured
