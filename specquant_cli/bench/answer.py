@@ -49,6 +49,7 @@ class RequestResult:
     output_tokens: int = 0
     tokens_from: str = "chunks"  # "usage": the server's completion_tokens; "chunks": content pieces counted
     prompt_tokens: Optional[int] = None
+    cached_tokens: Optional[int] = None  # of those, what the server took from its cache (its usage's, when it says)
     finish_reason: Optional[str] = None
     fidelity: Optional[dict] = None
     # what a specquant server says of the answer (its `specquant` object): the plan it ran, and the tokens
@@ -183,6 +184,8 @@ class _Answer:
                 raise Refused(f"the server counted {self.usage_tokens} completion tokens for max_tokens "
                                f"{max_tokens}")
             r.prompt_tokens = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
+            cached = usage.get("prompt_tokens_details")
+            r.cached_tokens = _count(cached.get("cached_tokens")) if isinstance(cached, dict) else None
             details = usage.get("completion_tokens_details")
             if r.prediction and isinstance(details, dict):
                 r.prediction_accepted = _count(details.get("accepted_prediction_tokens"))

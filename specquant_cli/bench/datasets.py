@@ -92,7 +92,7 @@ def _question_problem(d) -> Optional[str]:
 MAX_DEPTH = 64  # arrays and objects nested deeper in one line are refused (serving.app.MAX_JSON_DEPTH's bound)
 
 
-def _depth(data) -> int:
+def depth(data) -> int:
     """How deep arrays and objects nest in a parsed JSON value, counted without recursion (stops past MAX_DEPTH)."""
     deepest, stack = 0, [(data, 1)]
     while stack and deepest <= MAX_DEPTH:
@@ -113,7 +113,7 @@ def _items(lines: Iterable[str], source: str) -> list[Item]:
                               "another); a Spec-Bench question is one object per line with 'turns': [prompt, ...]")
         try:
             d = json.loads(line)
-            if _depth(d) > MAX_DEPTH:  # as a request's body is bounded (serving.app): its schemas are compiled alike
+            if depth(d) > MAX_DEPTH:  # as a request's body is bounded (serving.app): its schemas are compiled alike
                 raise too_deep
             why = _question_problem(d)
         except RecursionError:

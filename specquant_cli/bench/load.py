@@ -109,6 +109,19 @@ class Conversation:
     questions: tuple[str, ...]
     system: Optional[str] = None
     predictions: tuple[Optional[str], ...] = ()  # each question's `prediction` (Predicted Outputs), when it has one
+    # a replayed trace (bench.replay): each turn's messages as recorded, sent as they are (`questions` unused)
+    fixed: tuple[tuple[dict, ...], ...] = ()
+
+    @property
+    def turns(self) -> int:
+        return len(self.fixed) if self.fixed else len(self.questions)
+
+
+def replayed(turns: Sequence[Sequence[dict]], predictions: Sequence[Optional[str]] = ()) -> list[Conversation]:
+    """A recorded trace (bench.replay) as one conversation: each turn's messages as recorded, in order."""
+    if not turns:
+        raise InputError("no requests to replay")
+    return [Conversation(0, (), None, tuple(predictions), tuple(tuple(m) for m in turns))]
 
 
 def conversations(scenario: str, questions: Sequence[str], count: int, turns: int,
@@ -236,10 +249,11 @@ async def _run(target: Target, convs: Sequence[Conversation], starts: Sequence[f
             await asyncio.sleep(max(0.0, t0 + start - clock()))
             async with gate:
                 history: list[dict] = [{"role": "system", "content": conv.system}] if conv.system else []
-                for k, question in enumerate(conv.questions):
+                for k in range(conv.turns):
                     if too_late(clock()):
                         return  # no request starts after the run's deadline
-                    messages = [*history, {"role": "user", "content": question}]
+                    messages = list(conv.fixed[k]) if conv.fixed else \
+                        [*history, {"role": "user", "content": conv.questions[k]}]
                     r = RequestResult(conv.index, k, messages, conv.predictions[k] if conv.predictions else None,
                                       start_s=clock() - t0)
                     await stream_chat(client, target, r, clock, run_end)
@@ -339,6 +353,9 @@ def summarize(results: Sequence[RequestResult], wall_s: float, ttft_target: floa
         "output_tokens_per_request": percentiles([float(r.output_tokens) for r in ok]),
         # Predicted Outputs: the requests sent with a prediction, and the tokens of theirs the server said it kept
         # and did not keep (None: it said nothing of them)
+        # prompt tokens the server took from its cache (usage.prompt_tokens_details.cached_tokens; None: not said)
+        "prompt_tokens": _total(r.prompt_tokens for r in ok),
+        "cached_tokens": _total(r.cached_tokens for r in ok),
         "predicted": sum(r.prediction is not None for r in ok),
         "prediction_accepted": _total(r.prediction_accepted for r in ok if r.prediction is not None),
         "prediction_rejected": _total(r.prediction_rejected for r in ok if r.prediction is not None),

@@ -275,6 +275,7 @@ def report(runs: Sequence[Run], contenders: Sequence[Contender], setup: Setup, c
                      "fidelity": {k: sum(f[k] for f in fid) for k in ("judged", "identical", "near_tie", "unexplained")}
                      if fid else None,
                      "prediction": _prediction(mine),
+                     "cached_share": _cached_share(mine),
                      "plans": _plans(mine)})
     return {"command": stamp["command"], "stamp": stamp, "family": str(setup.family.root),
             "parent": setup.family.parent_rendering,
@@ -282,6 +283,41 @@ def report(runs: Sequence[Run], contenders: Sequence[Contender], setup: Setup, c
             "servers": rows,
             "runs": [{"server": r.contender.name, "repeat": r.repeat, "summary": r.summary, "fidelity": r.fidelity,
                       "requests": [x.to_dict() for x in r.results]} for r in runs]}
+
+
+def _cached_share(runs: Sequence[Run]) -> Optional[float]:
+    """The share of the prompt tokens a server took from its cache, over its runs (None: it said nothing of them)."""
+    cached = [r.summary.get("cached_tokens") for r in runs]
+    prompt = [r.summary.get("prompt_tokens") for r in runs]
+    if any(c is None for c in cached) or not all(prompt):
+        return None
+    return round(sum(cached) / sum(prompt), 4)
+
+
+def per_turn(rep: dict) -> list[str]:
+    """A replay's turns side by side: each server's seconds end to end and output tokens per second per turn (its
+    first run), the answer's tokens, and the prompt tokens it took from its cache."""
+    first = {}
+    for r in rep["runs"]:
+        first.setdefault(r["server"], r["requests"])
+    names = list(first)
+    lines = ["", "Per turn (first run of each; s end to end, out tok/s, cached prompt tokens):", "",
+             "| turn | tokens | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    n = max(len(reqs) for reqs in first.values())
+    for k in range(n):
+        cells, tokens = [], None
+        for name in names:
+            reqs = [x for x in first[name] if x["turn"] == k]
+            x = reqs[0] if reqs else None
+            if x is None or not x["ok"]:
+                cells.append("failed" if x else "–")
+                continue
+            tokens = tokens or x["output_tokens"]
+            tps = x["output_tokens"] / x["e2e_s"] if x["e2e_s"] else None
+            cached = "" if x.get("cached_tokens") is None else f", {x['cached_tokens']} cached"
+            cells.append(f"{_num(x['e2e_s'])} s, {_num(tps)}{cached}")
+        lines.append(f"| {k + 1} | {tokens if tokens is not None else '–'} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _prediction(runs: Sequence[Run]) -> Optional[dict]:
@@ -339,6 +375,12 @@ def markdown(rep: dict) -> str:
             f"{row['server']} {row['prediction']['accepted']} / {row['prediction']['rejected']}" for row in said)
             + (" (llama-server says nothing of them)" if any(row["kind"] == "llama-server" for row in rows) else "")
             + "."]
+    cached = [row for row in rows if row.get("cached_share") is not None]
+    if cached:
+        lines += ["", "Prompt tokens taken from the server's cache: " + "; ".join(
+            f"{row['server']} {row['cached_share']:.0%}" for row in cached) + "."]
+    if c["scenario"] == "replay":
+        lines += per_turn(rep)
     if runs > 1:
         lines += ["", "| run | server | output tok/s | wall s |", "|---|---|---|---|"]
         for k, r in enumerate(rep["runs"], 1):

@@ -1,7 +1,9 @@
 """`specquant bench`: where measuring lives, one subcommand a measurement, each a thin edge over bench/.
 
 - `prompts`: policies side by side on prompt sets (Spec-Bench, GSM8K, the built-in set), in one process;
-- `load`: streamed conversations against an OpenAI-compatible server, or servers started fresh side by side;
+- `load`: streamed conversations against an OpenAI-compatible server, or servers started fresh side by side, or a
+  recorded trace replayed (`--replay`);
+- `record`: a pass-through proxy that records a real client's requests as a trace;
 - `batch`: requests decoding together in one process (the server's slots and batcher, no HTTP);
 - `calls`: each role's call-cost curve (a parent or draft call on 1..16 tokens, prefill per token);
 - `engine`: the engine per drafter and draft length, against the cost its own calls predict;
@@ -27,11 +29,12 @@ def register(app: typer.Typer) -> None:
         bench_load,
         bench_prefill,
         bench_prompts,
+        bench_record,
         bench_route,
         bench_rpc,
     )
 
-    PANELS = {"Measure": (bench_prompts, bench_load, bench_drafts, bench_route),  # for users first
+    PANELS = {"Measure": (bench_prompts, bench_load, bench_record, bench_drafts, bench_route),  # for users first
               "Diagnostics": (bench_calls, bench_engine, bench_prefill, bench_batch, bench_rpc)}
 
     from specquant_cli.commands.options import SpecquantGroup

@@ -84,6 +84,8 @@ def load_cmd(
                                                 show_default=str(DEFAULT_SYSTEM_TOKENS)),
     dataset: list[Path] = DatasetOpt,
     edits: bool = typer.Option(False, "--edits", help="Add the built-in code-edit set (each with a prediction)"),
+    replay: Optional[Path] = typer.Option(None, "--replay", help="Replay a recorded trace (bench record) in order",
+                                          metavar="TRACE", show_default=False),
     prediction: str = typer.Option("on", "--prediction", metavar="MODE",
                                    help="Predictions: on, off, or wrong (another one's)"),
     categories: Optional[str] = CategoriesOpt,
@@ -113,6 +115,12 @@ def load_cmd(
     then the summary (a table of the servers side by side)."""
     from specquant_cli.bench import datasets, load, report, stamp
 
+    if replay is not None and (dataset or edits or categories or limit or turns is not None or scenario != "single"
+                               or conversations != 8 or rate is not None or system_tokens is not None
+                               or prediction == "wrong"):
+        raise InputError("--replay sends the trace's requests as recorded: it takes no --dataset, --edits, "
+                         "--categories, --limit, --scenario, --turns, --conversations, --rate, --system-tokens or "
+                         "--prediction wrong")
     turns = turns if turns is not None else (1 if scenario == "single" else 3)
     if (url is None) == (servers is None):
         raise InputError("give --url (a running server) or --servers (servers started fresh here), one of them")
@@ -125,11 +133,19 @@ def load_cmd(
     system = load.system_prompt(system_tokens or DEFAULT_SYSTEM_TOKENS) if scenario == "shared-system" else None
     extra = _extra_body(extra_body)
     report.check_outputs({"--json-file": json_file, "--markdown": md_out},
-                         inputs=[*dataset, *([cfg.config] if cfg.config else [])])
+                         inputs=[*dataset, *([replay] if replay else []), *([cfg.config] if cfg.config else [])])
     cats = split_list(categories, "--categories", "category")
-    items = datasets.with_predictions(datasets.load(dataset, cats, limit, edits=edits), prediction)
-    convs = load.conversations(scenario, [it.prompt for it in items], conversations, turns, system,
-                               [it.prediction for it in items])
+    if replay is not None:
+        from specquant_cli.bench import replay as traces
+
+        reqs = traces.read(replay)
+        sent, predicted = traces.turns(reqs)
+        convs = load.replayed(sent, predicted if prediction == "on" else ())
+        scenario, turns = "replay", len(reqs)
+    else:
+        items = datasets.with_predictions(datasets.load(dataset, cats, limit, edits=edits), prediction)
+        convs = load.conversations(scenario, [it.prompt for it in items], conversations, turns, system,
+                                   [it.prediction for it in items])
     if concurrency is None and rate is None:
         concurrency = 1
     starts = load.arrival_times(len(convs), rate, seed)
@@ -145,7 +161,8 @@ def load_cmd(
               "rate": rate, "seed": seed, "max_tokens": max_tokens, "temperature": 0,
               "system_tokens": (system_tokens or DEFAULT_SYSTEM_TOKENS) if system else None,
               "system_chars": len(system) if system else None, "extra_body": extra,
-              "datasets": [*(["edits"] if edits else []), *(str(d) for d in dataset)] or ["builtin"],
+              "datasets": ([] if replay is None else [f"replay:{replay}"])
+              or [*(["edits"] if edits else []), *(str(d) for d in dataset)] or ["builtin"],
               "categories": cats, "limit": limit, "prediction": prediction,
               "timeout_s": timeout,
               "request_timeout_s": request_timeout, "deadline_s": deadline}

@@ -1,0 +1,136 @@
+"""Recorded agent traffic (bench.record, bench.replay): a real client's requests recorded through the pass-through
+proxy in front of a real `specquant serve` (the `openai` client, streamed and whole, chat completions and the Responses
+API), then replayed in order by `bench load --replay` with every answer judged against the parent alone; a trace that
+is not one is refused in one line naming its file and line."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from specquant_cli.bench import replay
+
+from conftest import REPO, run_cli
+
+FILE = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+TURNS = [
+    [{"role": "system", "content": "You edit code."},
+     {"role": "user", "content": f"Here is shapes.py:\n\n```python\n{FILE}```\n\nRename w to width."}],
+]
+
+
+@pytest.fixture(scope="module")
+def real_server(family_dir):
+    from test_serve import ServerProc
+
+    s = ServerProc(["--family", str(family_dir), "--parallel", "1", "--api-key", "none"])
+    yield s
+    s.stop()
+
+
+class Recorder:
+    """`specquant bench record TRACE --upstream URL --port 0`-like: the proxy as a child process on a free port."""
+
+    def __init__(self, trace, upstream: str):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen([sys.executable, "-m", "specquant_cli", "bench", "record", str(trace),
+                                      "--upstream", upstream, "--port", str(self.port)], cwd=REPO,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.port}"
+        import httpx
+
+        for _ in range(100):
+            try:
+                httpx.get(self.url + "/v1/models", timeout=2, headers={"Authorization": "Bearer none"})
+                return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError("the recorder did not start: " + "".join(self.lines))
+
+    def stop(self) -> str:
+        self.proc.send_signal(2)
+        out, _ = self.proc.communicate(timeout=30)
+        return out
+
+
+def test_a_client_s_requests_are_recorded_passed_through_and_replayed_as_the_parent_s(real_server, family_dir,
+                                                                                       tmp_path):
+    trace = tmp_path / "agent.jsonl"
+    rec = Recorder(trace, real_server.url)
+    try:
+        client = openai.OpenAI(base_url=rec.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        whole = client.chat.completions.create(model="m", messages=TURNS[0], max_tokens=12, temperature=0)
+        answer = whole.choices[0].message.content
+        assert answer
+        second = [*TURNS[0], {"role": "assistant", "content": answer}, {"role": "user", "content": "Now h to height."}]
+        streamed = client.chat.completions.create(model="m", messages=second, max_tokens=12, temperature=0,
+                                                  stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        r = client.responses.create(model="m", instructions="You edit code.", input="Say hi.", max_output_tokens=8)
+        assert r.output_text is not None
+    finally:
+        rec.stop()
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert [x["endpoint"] for x in lines] == ["/v1/chat/completions"] * 2 + ["/v1/responses"]
+    assert lines[0]["body"]["messages"] == TURNS[0] and lines[1]["body"]["messages"] == second
+    assert lines[0]["t"] <= lines[1]["t"] <= lines[2]["t"]
+    reqs = replay.read(trace)
+    assert [list(q.messages) for q in reqs] == [TURNS[0], second, [{"role": "system", "content": "You edit code."},
+                                                                 {"role": "user", "content": "Say hi."}]]
+    out = tmp_path / "replay.json"
+    p = subprocess.run([sys.executable, "-m", "specquant_cli", "bench", "load", "--url", real_server.url,
+                        "--api-key", "none", "--replay", str(trace), "--max-tokens", "12", "--family", str(family_dir),
+                        "--threads", "1", "--json-file", str(out)], cwd=REPO, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(out.read_text())
+    assert rep["config"]["scenario"] == "replay" and rep["summary"]["requests"]["succeeded"] == 3
+    assert [q["turn"] for q in rep["requests"]] == [0, 1, 2]
+    assert [q["messages"] for q in rep["requests"]] == [list(q.messages) for q in reqs]
+    assert rep["requests"][0]["text"] == answer  # the same request, the same greedy answer
+    assert all(q["fidelity"]["verdict"] == "identical" for q in rep["requests"])
+    assert rep["summary"]["prompt_tokens"] > 0 and rep["summary"]["cached_tokens"] is not None
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "not JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"endpoint": "/v1/embeddings", "body": {"input": "x"}}', "cannot be replayed"),
+    ('{"messages": []}', "'messages' must be a non-empty array"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "messages[0] must be an object with a role"),
+    ('{"endpoint": "/v1/responses", "body": {"input": [{"type": "function_call_output", "output": "x"}]}}',
+     "input[0] cannot be replayed"),
+    ('{"messages": [{"role": "user", "content": "x"}], "prediction": {"content": 3}}', "'prediction' must be"),
+    ("[" * 100 + "]" * 100, "nested deeper"),
+])
+def test_a_trace_that_is_not_one_is_refused_in_one_line(tmp_path, line, message):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n' + line + "\n")
+    r = run_cli(["bench", "load", "--url", "http://127.0.0.1:9", "--replay", str(trace)])
+    assert r.exit_code == 1 and message in r.stderr and f"{trace}:2" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_replay_takes_no_scenario_of_its_own(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n')
+    for extra in (["--edits"], ["--turns", "2"], ["--conversations", "3"], ["--prediction", "wrong"]):
+        r = run_cli(["bench", "load", "--url", "http://127.0.0.1:9", "--replay", str(trace), *extra])
+        assert r.exit_code == 1 and "--replay sends the trace's requests as recorded" in r.stderr
+    r = run_cli(["bench", "load", "--url", "http://127.0.0.1:9", "--replay", str(tmp_path / "none.jsonl")])
+    assert r.exit_code == 1 and "none.jsonl" in r.stderr and "Traceback" not in r.stderr
+    assert re.search(r"error: .*none\.jsonl", r.stderr)
