@@ -462,8 +462,15 @@ def _declare() -> dict[str, Setting]:
         Setting("serving", "queue", int, 32, "Requests that may wait behind the running ones", "--queue", lo=0),
         Setting("serving", "max_body", int, 1 << 20, "Largest request body in bytes (413 above)", "--max-body",
                 lo=1024, hi=1 << 30, metavar="BYTES"),
-        Setting("serving", "max_tokens", int, 512, "New tokens when a request sets no max_tokens",
-                "--max-tokens", lo=1),
+        Setting("serving", "max_tokens", int, None, "Cap for requests without max_tokens (none: to --ctx)",
+                "--max-tokens", lo=1, optional=True, shown="none",
+                doc="Default: none, as OpenAI and llama-server: such an answer may run to the end of the context "
+                    "(--ctx). A request's own max_tokens is never capped by it."),
+        Setting("serving", "strict_tools", bool, False, "Refuse built-in tools on /v1/responses",
+                "--strict-tools",
+                doc="Tools OpenAI runs on its side (web_search, file_search, code_interpreter, ...) are left out of "
+                    "what the model sees by default, each said in the response's specquant.warnings and the log; "
+                    "with this, a request naming one is refused (400)."),
         Setting("serving", "allow_host", str, None, "More names the Host header may carry", "--allow-host",
                 check=_names, optional=True, shown="none", many=True, metavar="NAMES", panel="Security",
                 doc="Comma-separated. Always allowed: IP addresses, localhost, the bound address; *: any name, "

@@ -1,8 +1,9 @@
 """`specquant serve` against hostile bytes: every refusal is a 4xx in OpenAI's error shape that reaches the
 client (never a 500, a reset or a hang), and the server answers normally afterwards.
 
-One real server for the module (parent policy only, one llama.cpp thread, a small body cap), driven over real
-HTTP: httpx for well-formed requests, raw sockets where the transport itself is the attack."""
+One real server for the module (parent policy only, one llama.cpp thread, a small body cap, a 640-token context,
+built-in tools refused), driven over real HTTP: httpx for well-formed requests, raw sockets where the transport itself
+is the attack. And a machine short of RAM: a --parallel serve chose itself fits it; one the user gave is refused."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import time
 import httpx
 import pytest
 from test_serve import ServerProc
+from test_serve_sizing import _family_copy
 
+from specquant_cli.errors import ResourceError
 from specquant_cli.serving.app import BODY_TIMEOUT_S, MAX_JSON_DEPTH
 
 MAX_BODY = 256 * 1024  # room for 100,000 nested brackets, far below 10 MB
+CTX = 640  # room for an answer longer than the 512 tokens serve once gave a request without max_tokens
 BIG = 10 * 1024 * 1024
 HI = [{"role": "user", "content": "hi"}]
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -26,7 +30,7 @@ ANY = object()  # the param is not checked
 @pytest.fixture(scope="module")
 def server(family_dir):
     s = ServerProc(["--family", str(family_dir), "--policy", "parent", "--policies", "parent",
-                    "--max-body", str(MAX_BODY)])
+                    "--max-body", str(MAX_BODY), "--ctx", str(CTX)], env={"SPECQUANT_STRICT_TOOLS": "1"})
     yield s
     s.stop()
 
@@ -130,7 +134,13 @@ SURROGATE = "\ud800"
     ("/v1/chat/completions", chat(stop=SURROGATE), "stop"),
     ("/v1/chat/completions", chat(stop=["x", SURROGATE]), "stop[1]"),
     ("/v1/chat/completions", chat(specquant_policy=SURROGATE), "specquant_policy"),
-], ids=["content", "content-part", "assistant-content", "prompt", "prompt-list", "stop", "stop-list", "policy"])
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {
+        "name": "f", "description": SURROGATE, "parameters": {"type": "object"}}}]), "tools[0].function.description"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {SURROGATE: {"type": "string"}}}}}),
+     "response_format.json_schema.schema.properties"),
+], ids=["content", "content-part", "assistant-content", "prompt", "prompt-list", "stop", "stop-list", "policy",
+        "tool-description", "schema-key"])
 def test_lone_surrogates_are_400(server, path, body, param):
     r = post(server, path, body)
     assert_error(400, (r.status_code, r.content), param=param, needle="not valid Unicode")
@@ -179,7 +189,7 @@ def test_lone_surrogates_are_400(server, path, body, param):
     # stop strings and prompts
     ("/v1/chat/completions", chat(stop=""), "stop"),
     ("/v1/chat/completions", chat(stop=["END", ""]), "stop"),
-    ("/v1/chat/completions", chat(stop=[1]), "stop"),
+    ("/v1/chat/completions", chat(stop=[1]), "stop[0]"),
     ("/v1/completions", completion(prompt=""), "prompt"),
     ("/v1/completions", completion(prompt=[""]), "prompt"),
     # not an object
@@ -228,3 +238,61 @@ def test_a_body_shorter_than_its_content_length_times_out_to_a_400(server):
     assert_error(400, (status, body), param=None, code="body_timeout", needle="10 of 100 bytes")
     assert BODY_TIMEOUT_S - 1 < seconds < BODY_TIMEOUT_S + 5
     assert_still_serving(server)
+
+
+# -- what a client leaves out: the answer runs to the end of the context ------------------------------------------
+
+def test_an_answer_without_max_tokens_runs_to_the_end_of_the_context(server):
+    """As OpenAI and llama-server: no max_tokens is no cap (aider sends none for its whole-file edits), so a counting
+    answer runs past the 512 tokens serve once stopped it at, to the context's end, and says it was cut."""
+    r = post(server, "/v1/completions", {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert r.json()["choices"][0]["finish_reason"] == "length" and usage["completion_tokens"] > 512
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == CTX
+
+
+# -- built-in tools under --strict-tools -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tool", [{"type": "web_search"}, {"type": "web_search_preview_2025_03_11"},
+                                  {"type": "file_search", "vector_store_ids": ["vs_1"]}, {"type": "code_interpreter"}])
+def test_builtin_tools_are_refused_under_strict_tools(server, tool):
+    fn = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    r = post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2, "tools": [fn, tool]})
+    err = assert_error(400, (r.status_code, r.content), param="tools[1].type", code="unsupported_parameter")
+    assert "built-in tools run on OpenAI's side" in err["message"]
+    assert_still_serving(server)
+
+
+# -- a machine short of RAM --------------------------------------------------------------------------------------
+
+def _facts(ram: int):
+    from specquant_cli.system.hardware import Facts
+
+    return Facts(gpus=[], gpu_status="none", ram_total=ram, ram_available=ram, cores_physical=2, cores_logical=2,
+                 cpu_flags={}, gpu_offload=False)
+
+
+def test_a_parallel_serve_chose_fits_the_ram_and_one_given_that_does_not_is_refused(family_dir, tmp_path, capsys):
+    """`serve --ctx 16384` on a machine whose RAM holds 2 such sequences beside the parent, not the 8 the prior cost
+    curve picks (the family copy has no calibration): 2, said in one stderr line and in where N came from. A
+    --parallel 8 the user gave is refused, naming it. Nothing loads: serve_settings decides N before any model."""
+    from specquant_cli.commands.serve import SETTINGS
+    from specquant_cli.family.manifest import Family
+    from specquant_cli.serving.server import serve_settings
+    from specquant_cli.settings import resolve
+    from specquant_cli.system.placement import RAM_HEADROOM, require_fit
+
+    family = Family.load(_family_copy(family_dir, tmp_path / "fam"))
+    ctx = 16384
+    need = {n: require_fit(_facts(1 << 50), family, ["parent"], ctx * n).ram_bytes for n in (2, 3)}
+    facts = _facts(int((need[2] + need[3]) / 2 / RAM_HEADROOM))  # room for 2 sequences, not 3
+    flags = {"runtime.ctx": ctx, "serving.policies": ["parent"], "decoding.policy": "parent", "serving.cache_ram": 0.0}
+    cfg, opts = serve_settings(resolve(SETTINGS, flags=flags, environ={}, cwd=tmp_path), family, facts)
+    assert opts.parallel == cfg.runtime.parallel == 2 and "lowered from 8" in opts.parallel_from
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specquant serve: 2 at once, not the 8")
+    assert "8 sequences of --ctx 16384 do not fit" in lines[0]
+    with pytest.raises(ResourceError, match=r"--parallel 8 holds --ctx 16384"):
+        serve_settings(resolve(SETTINGS, flags={**flags, "runtime.parallel": 8}, environ={}, cwd=tmp_path), family,
+                       facts)

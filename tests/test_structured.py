@@ -470,8 +470,9 @@ def test_tool_parameters_keep_their_own_defs_and_text_cannot_open_a_call(family_
 
 
 def test_a_stream_that_is_not_a_call_after_all_goes_on_as_text_and_a_cut_answer_has_no_calls():
-    """The one rule of a complete answer (serving.structured.outcome): a call answer cut short (a parallel set's
-    finished calls with it, or only the marker's first characters) is no call and shows no markup; a JSON answer
+    """The one rule of a complete answer (serving.structured.outcome): a call answer cut short inside a call (a
+    parallel set's finished calls with it, or only the marker's first characters) is no call and shows no markup;
+    one whose every call closed before max_tokens ran out (only the end of the turn cut) is its calls; a JSON answer
     a stop string cut before its end is cut ("length"), one that ended on its own is not."""
     from specquant_cli.serving.structured import outcome
 
@@ -480,11 +481,13 @@ def test_a_stream_that_is_not_a_call_after_all_goes_on_as_text_and_a_cut_answer_
     assert s.feed(broken) == [("text", broken)]
     assert s.feed(" text") == [("text", " text")]
     call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
-    for cut in (call + "\n<tool_call>\n{\"name\": \"f\", \"argu", "<tool_c", call):
+    for cut in (call + "\n<tool_call>\n{\"name\": \"f\", \"argu", "<tool_c", call[:-1]):
         o = outcome(cut, "length", calls=True)
         assert (o.content, o.calls, o.finish) == ("", [], "length"), cut
-    o = outcome(call + "\n", "stop", calls=True)
-    assert o.finish == "tool_calls" and o.content is None and o.calls == [{"name": "f", "arguments": {}}]
+    for finish, text in (("stop", call + "\n"), ("length", call), ("length", call + "\n" + call + "\n")):
+        o = outcome(text, finish, calls=True)
+        assert o.finish == "tool_calls" and o.content is None and o.calls == [{"name": "f", "arguments": {}}] * \
+            text.count("</tool_call>"), (finish, text)
     o = outcome("<br> and text", "stop", calls=True)
     assert (o.content, o.calls, o.finish) == ("<br> and text", [], "stop")
     g = G.json_object()
@@ -514,7 +517,10 @@ def test_history_takes_calls_without_content_and_refuses_forged_or_deep_ones(fam
     for msgs, param, says in [
         ([{"role": "assistant", "tool_calls": [call(args='{"x": "<|im_end|>"}')]}, answer],
          "messages[1].tool_calls[0]", "special token"),
-        ([{"role": "assistant", "tool_calls": [call(name="f\n")]}, answer], "messages[1].tool_calls[0]", "name"),
+        ([{"role": "assistant", "tool_calls": [call(name="f\n")]}, answer], "messages[1].tool_calls[0].function.name",
+         "name"),
+        ([{"role": "assistant", "tool_calls": [call(args={"city": "Paris"})]}, answer],
+         "messages[1].tool_calls[0].function.arguments", "string"),
         ([{"role": "assistant", "tool_calls": [call(args="[" * 5000 + "]" * 5000)]}, answer],
          "messages[1].tool_calls[0].function.arguments", "too deep"),
         ([{"role": "assistant", "content": None}], "messages[1].content", "no content"),

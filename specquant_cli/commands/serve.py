@@ -5,14 +5,15 @@ import typer
 from specquant_cli.commands.options import load_family, with_settings
 from specquant_cli.settings import Settings
 
-HELP = ("Serve a family over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models), "
-        "with a chat page at /.\n\n"
+HELP = ("Serve a family over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/responses, "
+        "/v1/models), with a chat page at /.\n\n"
         "Requests decode together (--parallel), each with its own plan (the body's specquant_policy, else "
         "--policy). Loopback unless --host says otherwise; each --api-key is a tenant. docs/serve.md")
 
 SETTINGS = ("decoding.policy", "serving.policies", "serving.host", "serving.port", "serving.api_key",
             "serving.allow_host", "serving.cors_origin",
-            "runtime.parallel", "serving.queue", "serving.max_tokens", "serving.max_body", "decoding.gamma",
+            "runtime.parallel", "serving.queue", "serving.max_tokens", "serving.max_body",
+            "serving.strict_tools", "decoding.gamma",
             "runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc",
             "runtime.rpc_timeout",
             "decoding.draft_memory", "serving.prompt_cache", "serving.cache_ram", "serving.cache_dir",

@@ -181,9 +181,11 @@ async def _respond(svc: Service, request: Request, obs: Observation):
     """POST /v1/responses: the chat machinery's answer as a response object or its stream of events
     (serving.responses)."""
     holder: list = []
-    params, job = await _admit(svc, request, obs, chat=True, read=_responses_reader(holder))
+    params, job = await _admit(svc, request, obs, chat=True, read=_responses_reader(holder, svc.strict_tools))
     req = holder[0]
     notes = _notes(request)
+    if req.warnings:
+        notes["warning"] = "; ".join(req.warnings)
     notes["end"] = lambda: _end(svc, job, obs)
 
     watcher = asyncio.create_task(_watch_disconnect(request, svc, job))
@@ -208,11 +210,12 @@ async def _respond(svc: Service, request: Request, obs: Observation):
         watcher.cancel()
 
 
-def _responses_reader(holder: list) -> Callable:
-    """A `read` for _admit that validates a Responses body (serving.responses) and keeps the request in `holder`."""
+def _responses_reader(holder: list, refuse_builtin: bool = False) -> Callable:
+    """A `read` for _admit that validates a Responses body (serving.responses) and keeps the request in `holder`;
+    `refuse_builtin`: refuse built-in tools instead of leaving them out."""
 
     def read(body, resolve, model) -> GenerationParams:
-        req = responses_params(body, resolve, model)
+        req = responses_params(body, resolve, model, refuse_builtin)
         holder.append(req)
         return req.params
 
@@ -616,6 +619,8 @@ def _log_line(scope, state: dict, notes: dict, seconds: float) -> str:
         parts.append("(client disconnected)")
     if notes.get("error"):
         parts.append(f"({notes['error']})")
+    if notes.get("warning"):
+        parts.append(f"(warning: {notes['warning']})")
     return " ".join(parts)
 
 

@@ -10,9 +10,12 @@ events (`ResponseMaker.start`, `.text`, `.finish`), both from serving.structured
 `incomplete` (reason max_output_tokens) and never a function call.
 
 Stateless, as `store: false`: nothing is kept, so `previous_response_id`, `conversation` and `item_reference` items
-are refused (send the whole conversation in `input`), as are built-in tools (web_search, file_search, ...), input
-items other than text (images, files), `background`, `prompt`, `truncation: auto`, `top_logprobs` and
-`max_tool_calls`."""
+are refused (send the whole conversation in `input`), as are input items other than text (images, files),
+`background`, `prompt`, `truncation: auto`, `context_management` and `top_logprobs`. A field OpenAI's Responses API
+does not define (`max_tokens`, `response_format`, `n`, ...) is refused by name, as OpenAI refuses it. A `namespace`
+tool is its function tools; built-in tools (web_search, file_search, ...) run on OpenAI's side and are left out of
+what the model sees, each said in the response's `specquant.warnings` and the server's log (refused instead under
+`serve --strict-tools`)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from specquant_cli.decoding.forms import TOOL_CHOICES
-from specquant_cli.serving.schemas import ApiError, GenerationParams, cached_tokens, chat_params, now, specquant_info
+from specquant_cli.serving.schemas import (
+    ApiError,
+    GenerationParams,
+    cached_tokens,
+    chat_params,
+    now,
+    specquant_info,
+    valid_unicode,
+)
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")  # content parts read as text
@@ -36,10 +47,24 @@ REFUSED = {  # field -> why it cannot be honoured (refused unless null, or false
     "conversation": STATELESS,
     "background": "every response is answered while the request waits",
     "prompt": "no stored prompts",
-    "max_tool_calls": "the answer's calls are not limited in number",
+    "context_management": "nothing is compacted: an input longer than the context is refused (400)",
     "top_logprobs": "no log-probabilities on this endpoint (use /v1/chat/completions)",
 }
 ALLOWED_FALSY = {"background": False, "top_logprobs": 0}
+# The fields of OpenAI's create-response body, besides those read above and below: taken, without effect (nothing is
+# stored, billed or cached by key here; max_tool_calls bounds calls to built-in tools, which never run here).
+# client_metadata: sent by OpenAI's Codex CLI.
+WITHOUT_EFFECT = ("store", "metadata", "user", "include", "reasoning", "service_tier", "prompt_cache_key",
+                  "prompt_cache_retention", "safety_identifier", "stream_options", "max_tool_calls", "client_metadata")
+FIELDS = frozenset({*PASSED, *REFUSED, *WITHOUT_EFFECT, "input", "instructions", "tools", "tool_choice", "text",
+                    "max_output_tokens", "truncation"})
+CHAT_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+               "response_format": "text.format", "messages": "input"}  # -> what the Responses API calls it
+MAX_METADATA = (16, 64, 512)  # OpenAI's metadata: keys, characters of a key, characters of a value
+# Tool types OpenAI runs on its own side (or the client runs for its own items: local_shell, shell, apply_patch,
+# tool_search): left out of what the model sees here, or refused under --strict-tools.
+BUILTIN_TOOLS = ("web_search", "file_search", "code_interpreter", "computer_use", "image_generation", "local_shell",
+                 "shell", "mcp", "apply_patch", "tool_search")
 
 
 def _rid(prefix: str) -> str:
@@ -65,6 +90,7 @@ class Where:
     origins: list[str] = field(default_factory=list)
     outputs: set[int] = field(default_factory=set)
     calls: dict[int, list[str]] = field(default_factory=dict)
+    tools: list[str] = field(default_factory=list)  # the Responses field of each chat tool: tools[1].tools[0]
 
     def name(self, param: Optional[str]) -> Optional[str]:
         """The Responses name of chat field `param` (messages[2].content -> input[1].content)."""
@@ -72,9 +98,10 @@ class Where:
             return None
         m = re.match(r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\])?(.*)$", param)
         if m is None:
-            tool = re.match(r"(tools\[\d+\])\.function(.*)$", param)  # a Responses tool has no `function` level
+            tool = re.match(r"tools\[(\d+)\](?:\.function)?(.*)$", param)  # a Responses tool has no `function` level
             if tool is not None:
-                return tool.group(1) + tool.group(2)
+                k = int(tool.group(1))
+                return (self.tools[k] if k < len(self.tools) else f"tools[{k}]") + tool.group(2)
             return _TOP.get(param) or next((new + param[len(old):] for old, new in _PREFIXES
                                             if param.startswith(old)), param)
         i, j, rest = int(m.group(1)), m.group(2), m.group(3)
@@ -100,7 +127,7 @@ class Where:
 
 
 _FIELD = re.compile(r"messages\[\d+\](?:\.tool_calls\[\d+\])?(?:\.[a-z_]+)*|max_completion_tokens|max_tokens|"
-                    r"response_format(?:\.[a-z_]+)*|tools\[\d+\]\.function(?:\.[a-z_]+)*")
+                    r"response_format(?:\.[a-z_]+)*|tools\[\d+\](?:\.function(?:\.[a-z_]+)*)?")
 _WORDS = (("an assistant message with tool_calls", "function_call items"),
           ("tool message", "function_call_output item"), ("tool_call_id", "call_id"),
           ("the response_format schema", "the text.format schema"), ("function.name", "name"),
@@ -116,16 +143,27 @@ _CALL_FIELDS = {".function.arguments": ".arguments", ".function.name": ".name", 
 
 @dataclass
 class ResponsesRequest:
-    """A validated request: its params (as the worker runs them) and what the response object repeats of it."""
+    """A validated request: its params (as the worker runs them), what the response object repeats of it, what was
+    left out of it (`warnings`: built-in tools), and the namespace of each function that came from a namespace
+    tool (a call of it names its namespace, as OpenAI's does)."""
 
     params: GenerationParams
     echo: dict
+    warnings: list[str] = field(default_factory=list)
+    namespaces: dict[str, str] = field(default_factory=dict)
 
 
-def responses_params(body: Any, resolve_policy: Callable[[Optional[str]], str], model) -> ResponsesRequest:
-    """Validate a /v1/responses body (see the module's docstring); `model`: the vocabulary a grammar compiles for."""
+def responses_params(body: Any, resolve_policy: Callable[[Optional[str]], str], model,
+                     refuse_builtin: bool = False) -> ResponsesRequest:
+    """Validate a /v1/responses body (see the module's docstring); `model`: the vocabulary a grammar compiles for;
+    `refuse_builtin`: refuse built-in tools (serve --strict-tools) instead of leaving them out."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    for name in body:
+        if name not in FIELDS:
+            moved = CHAT_FIELDS.get(name)
+            raise _refuse(name, f"Unknown parameter: {json.dumps(name)[:80]}" +
+                          (f". In the Responses API it is '{moved}'" if moved else "") + ".", "unknown_parameter")
     for name, why in REFUSED.items():
         if body.get(name) is not None and body.get(name) != ALLOWED_FALSY.get(name, None):
             raise _unsupported(name, why)
@@ -133,7 +171,16 @@ def responses_params(body: Any, resolve_policy: Callable[[Optional[str]], str], 
         raise _unsupported("truncation", "only 'disabled': an input longer than the context is refused (400), "
                                          "never cut")
     _check_include(body.get("include"))
-    chat, where = _chat_body(body)
+    _check_metadata(body.get("metadata"))
+    calls = body.get("max_tool_calls")
+    if calls is not None and (not isinstance(calls, int) or isinstance(calls, bool) or calls < 0):
+        raise _refuse("max_tool_calls", "max_tool_calls must be an integer of at least 0")
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
+        _check_text(body.get(name), name)
+    for name in ("tools", "tool_choice", "text"):  # repeated in the response, built-in tools left out too
+        valid_unicode(body.get(name), name)
+    warnings: list[str] = []
+    chat, where, namespaces = _chat_body(body, warnings, refuse_builtin)
     try:
         params = chat_params(chat, resolve_policy, model)
     except ApiError as e:
@@ -146,7 +193,39 @@ def responses_params(body: Any, resolve_policy: Callable[[Optional[str]], str], 
             "top_p": 1.0 if body.get("top_p") is None else body["top_p"],
             "tool_choice": body.get("tool_choice") or TOOL_CHOICES[1], "tools": body.get("tools") or [],
             "text": {"format": fmt or {"type": "text"}}, "user": body.get("user")}
-    return ResponsesRequest(params, echo)
+    return ResponsesRequest(params, echo, warnings, namespaces)
+
+
+def _check_text(value: Any, param: str) -> None:
+    """A string the response repeats (or null): valid Unicode, as every string that goes out must be."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise _refuse(param, f"{param} must be a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _refuse(param, f"{param} is not valid Unicode (it holds a lone surrogate)") from None
+
+
+def _check_metadata(metadata: Any) -> None:
+    """`metadata` as OpenAI documents it: an object of at most 16 string values, keys of at most 64 characters and
+    values of at most 512."""
+    if metadata is None:
+        return
+    keys, key_chars, value_chars = MAX_METADATA
+    if not isinstance(metadata, dict):
+        raise _refuse("metadata", "metadata must be an object of string values")
+    if len(metadata) > keys:
+        raise _refuse("metadata", f"metadata holds at most {keys} keys, not {len(metadata)}")
+    for key, value in metadata.items():
+        _check_text(key, "metadata")
+        if len(key) > key_chars:
+            raise _refuse("metadata", f"a metadata key is at most {key_chars} characters, not {len(key)}")
+        param = f"metadata.{key}"
+        _check_text(value, param)
+        if len(value) > value_chars:
+            raise _refuse(param, f"a metadata value is at most {value_chars} characters, not {len(value)}")
 
 
 def _check_include(include: Any) -> None:
@@ -159,8 +238,9 @@ def _check_include(include: Any) -> None:
     # the others name parts of items this server never makes (reasoning, search results, images): nothing to add
 
 
-def _chat_body(body: dict) -> tuple[dict, Where]:
-    """The chat completion body a Responses body amounts to, and where each of its messages came from."""
+def _chat_body(body: dict, warnings: list[str], refuse_builtin: bool) -> tuple[dict, Where, dict[str, str]]:
+    """The chat completion body a Responses body amounts to, where each of its messages and tools came from, and the
+    namespace of each function of a namespace tool; what is left out goes to `warnings`."""
     chat: dict = {k: body[k] for k in PASSED if k in body}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -174,14 +254,17 @@ def _chat_body(body: dict) -> tuple[dict, Where]:
         where.origins.append("instructions")
     _input_messages(body.get("input"), messages, where)
     chat["messages"] = messages
+    namespaces: dict[str, str] = {}
     if body.get("tools") not in (None, []):  # no tools may be an empty list here (not in a chat completion)
-        chat["tools"] = _tools(body["tools"])
+        chat["tools"] = _tools(body["tools"], where, namespaces, warnings, refuse_builtin)
+        if chat["tools"] == []:  # every tool was built in, and left out
+            del chat["tools"]
     if body.get("tool_choice") is not None and (chat.get("tools") or body["tool_choice"] not in TOOL_CHOICES[:2]):
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     fmt = _text_format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt
-    return chat, where
+    return chat, where, namespaces
 
 
 def _input_messages(items: Any, messages: list[dict], where: Where) -> None:
@@ -225,12 +308,14 @@ def _input_messages(items: Any, messages: list[dict], where: Where) -> None:
                                         "function_call and function_call_output")
 
 
-def _content(content: Any, at: str) -> Any:
-    """A message item's content as chat content (a string, or text parts)."""
+def _content(content: Any, at: str, empty: bool = False) -> Any:
+    """A message item's content as chat content (a string, or text parts; `empty`: an empty list is empty text)."""
     if isinstance(content, str) or content is None:
         return content
     if not isinstance(content, list):
         raise _refuse(f"{at}.content", "content must be a string or a list of content parts")
+    if not content and not empty:
+        raise _refuse(f"{at}.content", "content is an empty list of parts: send at least one, or \"\" for no text")
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -246,24 +331,56 @@ def _output(output: Any, at: str) -> Any:
     if isinstance(output, str):
         return output
     if isinstance(output, list):
-        return _content(output, at)
+        return _content(output, at, empty=True)
     raise _refuse(f"{at}.output", "output must be a string or a list of text parts")
 
 
-def _tools(tools: Any) -> Any:
-    """Responses function tools ({"type": "function", "name", "parameters", ...}) as chat tools; a built-in tool is
-    refused by name."""
+def _tools(tools: Any, where: Where, namespaces: dict[str, str], warnings: list[str], refuse_builtin: bool) -> Any:
+    """Responses function tools ({"type": "function", "name", "parameters", ...}) as chat tools, a namespace tool
+    ({"type": "namespace", "name", "tools": [function tools]}) as its functions (`namespaces`: function -> its
+    namespace); a built-in tool is left out, said in `warnings` (refused by name when `refuse_builtin`); another
+    type is refused. `where.tools`: the Responses field of each chat tool."""
     if not isinstance(tools, list):
         return tools  # chat_params says what is wrong with it
     out = []
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
-        if kind != "function":
+        if kind == "namespace":
+            name, members = t.get("name"), t.get("tools")
+            if not isinstance(name, str) or not name:
+                raise _refuse(f"tools[{i}].name", "a namespace tool needs its name (a string)")
+            if not isinstance(members, list):
+                raise _refuse(f"tools[{i}].tools", "a namespace tool needs its tools (a list of function tools)")
+            for j, member in enumerate(members):
+                if not isinstance(member, dict) or member.get("type") != "function":
+                    raise _unsupported(f"tools[{i}].tools[{j}].type", "a namespace holds function tools only")
+                out.append(_function(member))
+                where.tools.append(f"tools[{i}].tools[{j}]")
+                if isinstance(member.get("name"), str):
+                    namespaces[member["name"]] = name
+        elif kind == "function":
+            out.append(_function(t))
+            where.tools.append(f"tools[{i}]")
+        elif _builtin(kind) and not refuse_builtin:
+            warnings.append(f"tools[{i}] ({kind[:40]}) was left out: a built-in tool runs on OpenAI's side, and this "
+                            "server calls function tools only")
+        elif _builtin(kind):  # --strict-tools
             raise _unsupported(f"tools[{i}].type", f"tools of type {json.dumps(kind)[:40]} (built-in tools run on "
                                                    "OpenAI's side; this server calls function tools only)")
-        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
-        out.append({"type": "function", "function": fn})
+        else:
+            raise _unsupported(f"tools[{i}].type", f"tools of type {json.dumps(kind)[:40]} (function tools and "
+                                                   "namespaces of them only)")
     return out
+
+
+def _builtin(kind: Any) -> bool:
+    """Whether a tool type is one of OpenAI's built-in tools (dated versions too: web_search_preview_2025_03_11)."""
+    return isinstance(kind, str) and (kind in BUILTIN_TOOLS or kind.startswith(("web_search_", "computer_use_")))
+
+
+def _function(t: dict) -> dict:
+    return {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                             if t.get(k) is not None}}
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -343,6 +460,8 @@ class ResponseMaker:
             d["completed_at"] = now()
         if answer is not None and last is not None:
             d["specquant"] = specquant_info(answer, last)
+        if self.req.warnings:  # what the request asked that the model did not see (built-in tools left out)
+            d["specquant"] = {**d.get("specquant", {}), "warnings": list(self.req.warnings)}
         return d
 
     def _outcome(self, text: str, last):
@@ -359,11 +478,13 @@ class ResponseMaker:
     def _part(text: str) -> dict:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    @staticmethod
-    def _call(c: dict, status: str = "completed", arguments: Optional[str] = None) -> dict:
-        args = json.dumps(c["arguments"], ensure_ascii=False) if arguments is None else arguments
-        return {"type": "function_call", "id": _rid("fc"), "call_id": _rid("call"), "name": c["name"],
-                "arguments": args, "status": status}
+    def _call(self, c: dict) -> dict:
+        """A function_call item; a function of a namespace tool names its namespace, as OpenAI's does."""
+        item = {"type": "function_call", "id": _rid("fc"), "call_id": _rid("call"), "name": c["name"],
+                "arguments": json.dumps(c["arguments"], ensure_ascii=False), "status": "completed"}
+        if c["name"] in self.req.namespaces:
+            item["namespace"] = self.req.namespaces[c["name"]]
+        return item
 
     def _output(self, o) -> list[dict]:
         status = "completed" if o.finish == "stop" else "incomplete"

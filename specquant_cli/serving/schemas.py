@@ -72,6 +72,24 @@ def _non_empty(s: str) -> str:
     return s
 
 
+def valid_unicode(value: Any, param: str) -> None:
+    """Every string of a JSON value (keys too) is valid Unicode (a schema, a tool: they reach the model, or are sent
+    back); an ApiError names the innermost field of one that is not."""
+    if isinstance(value, str):
+        try:
+            _unicode(value)
+        except PydanticCustomError as e:
+            raise ApiError(400, f"invalid value for {param}: {e.message()}", param=param, code="invalid_value") \
+                from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            valid_unicode(key, param)
+            valid_unicode(item, f"{param}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            valid_unicode(item, f"{param}[{i}]")
+
+
 Text = Annotated[str, AfterValidator(_unicode)]  # every string that reaches the model
 NonEmptyText = Annotated[Text, AfterValidator(_non_empty)]
 
@@ -170,8 +188,10 @@ def _validate(model: type[BaseModel], body: Any) -> Any:
         return model.model_validate(body)
     except ValidationError as e:
         errors = e.errors()
-        # Of a union's failures, the one past the type check says what is wrong ("empty", not "not a list").
-        err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
+        # Of a union's failures, the one past the type check says what is wrong ("empty", not "not a list"), and of
+        # those the one deepest in the value (a part's text that is no string, not the content that is no string).
+        errors = [x for x in errors if not x["type"].endswith("_type")] or errors
+        err = max(errors, key=lambda x: len(_fields(x.get("loc", ()))))
         param = _param(err.get("loc", ()))
         raise ApiError(400, f"invalid value for {param or 'the body'}: {err.get('msg', 'invalid')}", param=param,
                        code="invalid_value") from None
@@ -180,16 +200,17 @@ def _validate(model: type[BaseModel], body: Any) -> Any:
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
+def _fields(loc) -> list:
+    """The parts of a pydantic error location that are fields or indexes (not the member of a union that failed:
+    list[str], str, ...)."""
+    return [p for p in loc if isinstance(p, int) or not ("[" in p or p.lower() in _TYPE_NAMES)]
+
+
 def _param(loc) -> Optional[str]:
     """A pydantic error location as OpenAI names a parameter: messages[0].content."""
     out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif "[" in part or part.lower() in _TYPE_NAMES:
-            continue  # the member of a union that failed (list[str], str, ...), not a field
-        else:
-            out += ("." if out else "") + part
+    for part in _fields(loc):
+        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + part
     return out or None
 
 
@@ -322,6 +343,8 @@ def _chat_params(body: Any, resolve_policy: Callable[[Optional[str]], str], mode
     prediction = _prediction(req, _excluded(req, logprobs=bool(req.logprobs) or req.top_logprobs is not None,
                                             max_completion_tokens=req.max_completion_tokens is not None,
                                             tools=req.tools is not None))
+    for name in ("tools", "tool_choice", "response_format"):
+        valid_unicode(getattr(req, name), name)
     wants = req.tools is not None or req.tool_choice is not None or req.logprobs or req.top_logprobs is not None \
         or (req.response_format or {}).get("type", "text") != "text"
     form = structure(req, model) if wants and model is not None else Structure()
@@ -439,6 +462,8 @@ def chat_response(rid: str, created: int, model: str, text: str, answer, last, p
     from specquant_cli.serving.structured import message
 
     msg, finish = message(text, finish_reason(last), params)
+    if logprobs is not None and msg["content"] != text:
+        logprobs = []  # the answer was calls (or a cut one): their markup is not content, nor are its tokens
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": msg,
                          "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
@@ -529,8 +554,11 @@ class ChunkMaker:
         from specquant_cli.serving.structured import answer_outcome, tool_call
 
         out = []
-        o = answer_outcome("".join(self._text), finish_reason(last), self.params)
+        text = "".join(self._text)
+        o = answer_outcome(text, finish_reason(last), self.params)
         finish = o.finish
+        if o.content != text:
+            self._lps = []  # held back with the markup of calls (or of a cut one), which is not content either
         if self.tools is not None:
             rest = self.tools.rest()
             if o.calls:

@@ -42,7 +42,7 @@ class ServeOptions:
     port: int = 8080
     api_key: Optional[str] = None  # the first of api_keys (None: none), for the code that knows one key
     max_queue: int = 32
-    max_tokens: int = 512  # for requests that give none (clamped to what the context has left)
+    max_tokens: Optional[int] = None  # cap of requests that give none (None: what the context has left)
     max_body: int = 1 << 20
     parallel_from: str = ""  # where `parallel` came from (a flag, a variable, the calibration, ...)
     allow_hosts: tuple[str, ...] = ()  # names the Host header may carry besides the server's own
@@ -53,6 +53,7 @@ class ServeOptions:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     api_keys: tuple[str, ...] = ()  # every key, each a tenant: the --api-key ones, then --api-key-file's, distinct
     cache_disk: Optional[float] = None  # MiB the cache folder holds in all (None: cache_ram's)
+    strict_tools: bool = False  # /v1/responses refuses built-in tools instead of leaving them out
 
 
 def protection_warnings(cfg: Settings) -> list[str]:
@@ -186,8 +187,15 @@ def serve_settings(cfg: Settings, family, facts=None, report=None) -> tuple[Sett
             _check_memory(cfg, family, facts, [policy, *offered], 1, cache_ram)  # before measuring loads them
             _measure_costs(cfg, family, facts, report)
             n, why = parallel_for(family, facts, cfg.runtime.threads, [])
-        cfg = cfg.decided("runtime.parallel", n, why or "the prior cost curve (no calibration for this machine)")
-    _check_memory(cfg, family, facts, [policy, *offered], cfg.runtime.parallel, cache_ram)
+        why = why or "the prior cost curve (no calibration for this machine)"
+        cfg = cfg.decided("runtime.parallel", *_fitting(cfg, family, facts, [policy, *offered], n, why, cache_ram))
+    try:
+        _check_memory(cfg, family, facts, [policy, *offered], cfg.runtime.parallel, cache_ram)
+    except ResourceError as e:
+        if cfg.source("runtime.parallel") == "machine" or cfg.runtime.parallel == 1:
+            raise
+        raise ResourceError(f"{e}; {cfg.stated('runtime.parallel')} holds --ctx {cfg.runtime.ctx} positions for each "
+                            "of its sequences: give fewer, or leave it out to have the most that fit") from None
     s, v = cfg.serving, cfg.values["runtime.parallel"]
     if s.cache_dir is not None and not cache_ram:
         stderr_line(f"warning: --cache-dir {s.cache_dir} is not used: the prompt cache is off "
@@ -195,7 +203,29 @@ def serve_settings(cfg: Settings, family, facts=None, report=None) -> tuple[Sett
     return cfg, ServeOptions(policy, tuple(offered), cfg.runtime.parallel, s.host, s.port, keys[0] if keys else None,
                              s.queue, s.max_tokens, s.max_body, v.origin or v.source, tuple(s.allow_host or ()),
                              tuple(s.cors_origin or ()), s.prompt_cache, cache_ram, s.cache_dir if cache_ram else None,
-                             s.prefill_chunk, keys, s.cache_disk)
+                             s.prefill_chunk, keys, s.cache_disk, strict_tools=s.strict_tools)
+
+
+def _fitting(cfg: Settings, family, facts, policies: list[str], n: int, why: str, cache_ram: float
+             ) -> tuple[int, str]:
+    """(sequences, where that came from) for a --parallel the user did not give: `n` (from `why`), or the most below
+    it whose contexts fit this machine's RAM beside the models, said in one stderr line. Only a value the user gave
+    is refused for not fitting (by the check after this); at one sequence, the models themselves do not fit."""
+    for k in range(n, 0, -1):
+        try:
+            _check_memory(cfg, family, facts, policies, k, cache_ram)
+        except ResourceError as e:
+            if k == 1:
+                raise
+            if k == n:
+                first = str(e)
+            continue
+        if k < n:
+            stderr_line(f"specquant serve: {k} at once, not the {n} of {why}: {n} sequences of --ctx "
+                        f"{cfg.runtime.ctx} do not fit ({first}); --parallel sets it")
+            return k, f"{why}, lowered from {n} to fit this machine's RAM"
+        return k, why
+    return 1, why
 
 
 def _measure_costs(cfg: Settings, family, facts, report) -> None:

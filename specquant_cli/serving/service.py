@@ -47,7 +47,8 @@ class Service:
         # what scope names are made with: the prompt cache's key (its files outlive the process), else this process's
         self._scope_key = prefixes.cache.key if prefixes is not None and prefixes.cache is not None else os.urandom(32)
         self.origin_policy = OriginPolicy.of(opts.host, opts.allow_hosts, opts.cors_origins)
-        self.max_tokens = opts.max_tokens
+        self.max_tokens = opts.max_tokens  # None: an answer may run to the end of the context
+        self.strict_tools = getattr(opts, "strict_tools", False)  # /v1/responses (serving.responses)
         self.max_body = opts.max_body
         self.worker = EngineWorker(self.generate, opts.max_queue, parallel=len(self.sessions), choose=self.slot_for)
         if slots is not None:
@@ -145,8 +146,8 @@ class Service:
 
     def answer_room(self, params: GenerationParams) -> int:
         """The tokens the answer may take: the request's max_tokens, refused (naming the field and the numbers) when it
-        does not fit beside the prompt; when unset, OpenAI's "as long as the context allows", bounded by the server's
-        --max-tokens."""
+        does not fit beside the prompt; when unset, OpenAI's (and llama-server's) "as long as the context allows",
+        bounded by the server's --max-tokens where one was given."""
         from specquant_cli.decoding.forms import FormError
 
         n_prompt, n_ctx = len(self.prompt_tokens(params)), self.runtime.pool.n_ctx
@@ -154,7 +155,7 @@ class Service:
             raise FormError(f"the prompt is {n_prompt} tokens and the context holds {n_ctx} (--ctx), with room left "
                             "for no answer; shorten it", params.prompt_param)
         if params.max_tokens is None:
-            return min(self.max_tokens, n_ctx - n_prompt)
+            return n_ctx - n_prompt if self.max_tokens is None else min(self.max_tokens, n_ctx - n_prompt)
         if n_prompt + params.max_tokens > n_ctx:
             raise FormError(f"{params.max_tokens_param} {params.max_tokens} does not fit beside the prompt: the prompt "
                             f"is {n_prompt} tokens and the context holds {n_ctx} (--ctx), so at most "

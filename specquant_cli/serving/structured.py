@@ -83,10 +83,15 @@ def _past_call(c, param: str) -> dict:
         raise _error("a tool call needs its id (a string), which the tool message answering it names",
                      f"{param}.id")
     fn = c.get("function") if isinstance(c, dict) else None
-    name, args = (fn.get("name"), fn.get("arguments")) if isinstance(fn, dict) else (None, None)
-    if not isinstance(name, str) or not forms.NAME.fullmatch(name) or not isinstance(args, str):
+    if not isinstance(fn, dict):
         raise _error("a tool call needs function.name (1-64 letters, digits, _ or -) and function.arguments "
                      "(a JSON string)", param)
+    name, args = fn.get("name"), fn.get("arguments")
+    if not isinstance(name, str) or not forms.NAME.fullmatch(name):
+        raise _error("a tool call needs function.name: 1-64 letters, digits, _ or -", f"{param}.function.name")
+    if not isinstance(args, str):
+        raise _error("function.arguments must be a string of JSON (a tool call's arguments, as the model wrote them)",
+                     f"{param}.function.arguments")
     try:
         parsed = json.loads(args)
     except RecursionError:
@@ -173,7 +178,8 @@ def outcome(text: str, finish: str, grammar: Optional[Grammar] = None, stopped_b
     - A constrained answer that a stop string cut before its grammar's end (JSON not closed, a call not closed) is
       cut: "length", as one that ran out of tokens.
     - An answer read for tool calls that opened a call (or, cut, began to): finished, its calls, content null,
-      "tool_calls"; cut, no calls at all (not those of a parallel set that were finished) and empty content,
+      "tool_calls"; the same when max_tokens cut it after its last call closed (only the end of the turn fell past
+      it); cut inside a call, no calls at all (not those of a parallel set that were finished) and empty content,
       "length". Its markup never reaches the content.
     - Anything else is its text, with its finish reason; a cut JSON answer's text is the JSON so far."""
     if finish == "stop" and stopped_by and grammar is not None and grammar.validate(text) is not None:
@@ -182,7 +188,10 @@ def outcome(text: str, finish: str, grammar: Optional[Grammar] = None, stopped_b
     if calls and head and (head.startswith(toolcalls.TOOL_OPEN)
                            or (finish != "stop" and toolcalls.TOOL_OPEN.startswith(head))):
         if finish != "stop":
-            return Outcome("", [], finish)
+            try:  # every call it opened closed: what max_tokens cut was the end of the turn, not a call
+                return Outcome(None, toolcalls.parse(text), "tool_calls")
+            except ValueError:
+                return Outcome("", [], finish)
         try:
             return Outcome(None, toolcalls.parse(text), "tool_calls")
         except ValueError:  # not calls after all (an answer no grammar held to the form): text
