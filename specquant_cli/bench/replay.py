@@ -12,6 +12,11 @@ so that every server answers alike. A Responses API request (`/v1/responses`) is
 stands for: `instructions` as a system message, `input` (a string, or messages whose content is a string or text
 parts) as the conversation; a tool turn of either API is sent as it was recorded.
 
+`aider-bisect.trace.jsonl` (beside this module) is a real one: aider 0.86.2 (`--edit-format whole`, no repository map)
+asked to rename the parameter `lo` to `low`, then `hi` to `high`, in CPython 3.11's `bisect.py` (PSF License), through
+`bench record` in front of `specquant serve` with the qwen2.5-coder-1.5b family: two requests of about 1,500 tokens,
+each holding the whole file (the second the file as the first answer left it), neither with `max_tokens`.
+
 Nothing in a trace is trusted: a line that is not such a request is refused naming the file, the line and the problem
 (bench.datasets' bounds: JSON nested at most MAX_DEPTH levels)."""
 
