@@ -132,3 +132,14 @@ def rewrite_gguf(src: Path, dst: Path, keep_layers: int | None = None, extra_lay
         w.write_tensor_data(t.data)
     w.close()
     return dst
+
+
+def claim_file_type(path: Path, ftype: int) -> Path:
+    """The file at `path` with its header's general.file_type set to `ftype` (the weights left as they are)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path), "r+")
+    field = reader.fields["general.file_type"]
+    field.parts[field.data[0]][0] = ftype
+    del reader
+    return path

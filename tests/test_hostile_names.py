@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hostile_util import assert_clean_error, cli, snapshot, tiny_llama
+from hostile_util import assert_clean_error, claim_file_type, cli, snapshot, tiny_llama
 
 SHAPE = {"dim": 256, "ff": 512, "layers": 4, "vocab": 1024}
 QUICK = ["--types", "q8_0,f16", "--threads", "1"]
@@ -186,20 +186,9 @@ def test_a_family_whose_folder_moved_is_named_with_the_folder_recorded(made, her
 
 
 # -- 9a. a header claiming fewer bits than its weights hold ---------------------------------------------------------
-def _claim(path: Path, ftype: int) -> Path:
-    """The file at `path` with its header's general.file_type set to `ftype` (the weights left as they are)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path), "r+")
-    field = reader.fields["general.file_type"]
-    field.parts[field.data[0]][0] = ftype
-    del reader
-    return path
-
-
 @pytest.mark.parametrize("as_", ["parent", "sibling"])
 def test_a_header_claiming_fewer_bits_than_the_weights_hold_is_refused(made, here, tmp_path, as_):
-    liar = _claim(Path(shutil.copy(made["q8"], tmp_path / "liar-Q4_K_M.gguf")), 15)  # 15: MOSTLY_Q4_K_M
+    liar = claim_file_type(Path(shutil.copy(made["q8"], tmp_path / "liar-Q4_K_M.gguf")), 15)  # 15: MOSTLY_Q4_K_M
     args = ["quantize", liar] if as_ == "parent" else ["quantize", made["base"], "--draft-model", liar]
     before = snapshot(tmp_path)
     assert_clean_error(cli([*args, "--family", tmp_path / "fam", "--threads", "1"]), 1,

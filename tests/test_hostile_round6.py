@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hostile_util import assert_clean_error, cli, copy_family, snapshot, tiny_llama
+from hostile_util import assert_clean_error, claim_file_type, cli, copy_family, snapshot, tiny_llama
 
 from conftest import REPO
 
@@ -333,19 +333,8 @@ def test_a_family_without_fingerprints_still_loads(fam):
     assert cli(["doctor", "--family", fam, "--verify"]).exit_code == 0
 
 
-def _claim(path: Path, ftype: int) -> Path:
-    """The file at `path` with its header's general.file_type set to `ftype` (the weights left as they are)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path), "r+")
-    field = reader.fields["general.file_type"]
-    field.parts[field.data[0]][0] = ftype
-    del reader
-    return path
-
-
 def test_a_header_claiming_more_bits_than_the_weights_hold_is_refused(made, tmp_path):
-    liar = _claim(Path(shutil.copy(made["q4"], tmp_path / "liar-Q8_0.gguf")), 7)  # 7: MOSTLY_Q8_0
+    liar = claim_file_type(Path(shutil.copy(made["q4"], tmp_path / "liar-Q8_0.gguf")), 7)  # 7: MOSTLY_Q8_0
     before = snapshot(tmp_path)
     assert_clean_error(cli(["quantize", liar, "--out", tmp_path / "fam"]), 1,
                        "its header says Q8_0 (general.file_type), but its weights are mostly Q4_0")
@@ -356,7 +345,7 @@ def test_a_sibling_whose_header_claims_other_weights_is_refused(fam, made, tmp_p
     from specquant_cli.family.quantize import parse_types, quantize_family
 
     quantize_family(made["sibling"], tmp_path / "s", parse_types("q4_0"), threads=1)
-    liar = _claim(tmp_path / "s" / "s-q4_0.gguf", 1)  # 1: MOSTLY_F16
+    liar = claim_file_type(tmp_path / "s" / "s-q4_0.gguf", 1)  # 1: MOSTLY_F16
     before = snapshot(fam)
     assert_clean_error(cli(["quantize", "--draft-model", liar, "--out", fam]), 1, "its header says F16")
     assert snapshot(fam) == before
