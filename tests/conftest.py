@@ -55,6 +55,21 @@ def selftest_cache(tmp_path_factory) -> Iterator[Path]:
             os.environ[name] = value
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_models(tmp_path_factory, selftest_cache) -> Iterator[None]:
+    """Each test module's own models folder for its module fixtures: a family one module makes (by a name such as
+    `fam`) is no other module's, whichever worker runs them one after another (a taken name is refused)."""
+    import os
+
+    old = os.environ.get("XDG_DATA_HOME")
+    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("xdg-data-module"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_DATA_HOME", None)
+    else:
+        os.environ["XDG_DATA_HOME"] = old
+
+
 @pytest.fixture(autouse=True)
 def _isolate(monkeypatch, tmp_path_factory, selftest_cache):
     monkeypatch.setenv("XDG_CACHE_HOME", str(selftest_cache))

@@ -359,7 +359,9 @@ def target(ref: Optional[Path | str], name: str, store: Optional[Path], cwd: Opt
     that holds no family is not it: a name is looked up where names are). InputError for a value that names no
     family to make (ref_problem, dot_problem: '.', '..')."""
     if ref is not None:
-        why = ref_problem(ref, "--family") or dot_problem(ref)
+        from specquant_cli.settings import settings_table
+
+        why = ref_problem(ref, settings_table()["runtime.family"].flag) or dot_problem(ref)
         if why:
             raise InputError(why)
         if is_family(ref) or not is_name(ref):

@@ -15,7 +15,11 @@ are refused (send the whole conversation in `input`), as are input items other t
 does not define (`max_tokens`, `response_format`, `n`, ...) is refused by name, as OpenAI refuses it. A `namespace`
 tool is its function tools; built-in tools (web_search, file_search, ...) run on OpenAI's side and are left out of
 what the model sees, each said in the response's `specquant.warnings` and the server's log (refused instead under
-`serve --strict-tools`)."""
+`serve --strict-tools`).
+
+Why one file of ~570 lines: the request's reading (fields, items, tools, metadata) and the response's writing are one
+mapping between two shapes, read together when a field is added; the split by idea (request fields apart from the
+response writer) belongs with the house's split of its long modules."""
 
 from __future__ import annotations
 
