@@ -67,6 +67,7 @@ class Recorder:
         return out
 
 
+@pytest.mark.slow
 def test_a_client_s_requests_are_recorded_passed_through_and_replayed_as_the_parent_s(real_server, family_dir,
                                                                                        tmp_path):
     trace = tmp_path / "agent.jsonl"
