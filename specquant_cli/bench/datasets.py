@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -104,25 +104,33 @@ def depth(data) -> int:
     return deepest
 
 
-def _items(lines: Iterable[str], source: str) -> list[Item]:
-    out = []
+def json_lines(lines: Iterable[str], source: str, hint: str = "") -> Iterator[tuple[int, object]]:
+    """(line number, the parsed value) of each non-blank JSON line, within MAX_DEPTH levels (as a request's body is
+    bounded: serving.app); one that is not JSON or nests deeper is refused naming its line, `hint` after the problem."""
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        too_deep = InputError(f"{source}:{n}: nested deeper than {MAX_DEPTH} levels (arrays or objects inside one "
-                              "another); a Spec-Bench question is one object per line with 'turns': [prompt, ...]")
+        where = f"{source}:{n}"
+        too_deep = InputError(f"{where}: nested deeper than {MAX_DEPTH} levels (arrays or objects inside one "
+                              f"another){hint}")
         try:
             d = json.loads(line)
-            if depth(d) > MAX_DEPTH:  # as a request's body is bounded (serving.app): its schemas are compiled alike
-                raise too_deep
-            why = _question_problem(d)
         except RecursionError:
             raise too_deep from None
         except ValueError as e:
-            raise InputError(f"{source}:{n}: not JSON ({e.args[0].split(':')[0]}); a Spec-Bench question "
-                             "is one object per line with 'turns': [prompt, ...]") from None
+            raise InputError(f"{where}: not JSON ({e.args[0].split(':')[0]}){hint}") from None
+        if depth(d) > MAX_DEPTH:
+            raise too_deep
+        yield n, d
+
+
+def _items(lines: Iterable[str], source: str) -> list[Item]:
+    out = []
+    for n, d in json_lines(lines, source, "; a Spec-Bench question is one object per line with 'turns': [prompt, ...]"):
+        where = f"{source}:{n}"
+        why = _question_problem(d)
         if why:
-            raise InputError(f"{source}:{n}: not a Spec-Bench question: {why}")
+            raise InputError(f"{where}: not a Spec-Bench question: {why}")
         prompt = d["turns"][0]
         ref = d.get("reference") or []
         answer = final_answer(ref[0]) if ref and isinstance(ref[0], str) else None
@@ -130,7 +138,7 @@ def _items(lines: Iterable[str], source: str) -> list[Item]:
             prompt += ANSWER_HINT
         form = {k: d[k] for k in ("response_format", "tools", "tool_choice", "parallel_tool_calls") if k in d}
         out.append(Item(f"{Path(source).stem}:{d.get('question_id', n)}", d.get("category", "uncategorized"),
-                        prompt, answer, form or None, d.get("prediction") or None, where=f"{source}:{n}"))
+                        prompt, answer, form or None, d.get("prediction") or None, where=where))
     return out
 
 

@@ -18,17 +18,16 @@ asked to rename the parameter `lo` to `low`, then `hi` to `high`, in CPython 3.1
 each holding the whole file (the second the file as the first answer left it), neither with `max_tokens`.
 
 Nothing in a trace is trusted: a line that is not such a request is refused naming the file, the line and the problem
-(bench.datasets' bounds: JSON nested at most MAX_DEPTH levels)."""
+(bench.datasets.json_lines: JSON nested at most MAX_DEPTH levels)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from specquant_cli.bench.datasets import MAX_DEPTH, depth
+from specquant_cli.bench.datasets import json_lines
 from specquant_cli.errors import InputError
 from specquant_cli.fsutil import read_input_file
 from specquant_cli.inputs import decode_input
@@ -57,21 +56,7 @@ def read(path: Path) -> list[Request]:
 
 
 def requests(lines: Iterable[str], source: str) -> list[Request]:
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{source}:{n}"
-        try:
-            d = json.loads(line)
-            if depth(d) > MAX_DEPTH:
-                raise InputError(f"{where}: nested deeper than {MAX_DEPTH} levels")
-        except RecursionError:
-            raise InputError(f"{where}: nested deeper than {MAX_DEPTH} levels") from None
-        except ValueError as e:
-            raise InputError(f"{where}: not JSON ({e.args[0].split(':')[0]})") from None
-        out.append(_request(d, where))
-    return out
+    return [_request(d, f"{source}:{n}") for n, d in json_lines(lines, source)]
 
 
 def _request(d, where: str) -> Request:
