@@ -42,21 +42,28 @@ def test_loadtest_names_where_it_went():
                                 "report goes to stdout with --json, to a file with --json-file)")
 
 
-def test_calls_measures_each_role_in_a_child(family_dir, tmp_path):
+def test_calls_measures_each_role_in_a_child_at_each_depth(family_dir, tmp_path):
     rep, md, _ = _ok(["calls", "--family", str(family_dir), "--roles", "parent,q4", "--sizes", "1,4", "--reps", "1",
-                      "--position", "16"], tmp_path)
+                      "--positions", "16,80"], tmp_path)
     assert list(rep["roles"]) == ["f16", "q4"]  # the parent as its bound rendering (the tests pin F16)
     for role, r in rep["roles"].items():
-        assert set(r["call_s"]) == {"1", "4"} and all(v > 0 for v in r["call_s"].values()), role
+        assert set(r["depth_call_s"]) == {"16", "80"}, role
+        assert r["call_s"] == r["depth_call_s"]["16"]  # the first depth's curve, as before depths
+        for curve in r["depth_call_s"].values():
+            assert set(curve) == {"1", "4"} and all(v > 0 for v in curve.values()), role
         assert r["prefill_token_s"] > 0
-    assert rep["config"] == {"sizes": [1, 4], "reps": 1, "position": 16, "threads": rep["config"]["threads"]}
-    assert "| f16 | f16 |" in md and "| q4 |" in md
+    assert rep["config"] == {"sizes": [1, 4], "reps": 1, "position": 16, "positions": [16, 80],
+                             "threads": rep["config"]["threads"]}
+    rows = [ln for ln in md.splitlines() if ln.startswith("| f16 | f16 |") or ln.startswith("| q4 |")]
+    assert [ln.split(" | ")[2] for ln in rows] == ["16", "80", "16", "80"]  # a row per role and depth
+    assert rows[0].split(" | ")[-2] == "1.00–1.00"  # the first depth against itself
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--roles", "nope"], "--roles: 'nope' is no role of smollm2-135m"),
     (["--sizes", "0"], "--sizes '0': '0' is no whole number from 1 to 512"),
     (["--sizes", "1,x"], "'x' is no whole number"),
+    (["--positions", "64,0"], "--positions '64,0': '0' is no whole number from 1 to 65536"),
 ])
 def test_calls_refuses_bad_input_in_one_line(family_dir, args, needle):
     r = run_cli(["bench", "calls", "--family", str(family_dir), *args])

@@ -13,18 +13,20 @@ from specquant_cli.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
-    app.command("calls", short_help="Each role's call cost on 1 to 16 tokens",
-                help="Each role's call cost: one llama.cpp call on 1, 2, 4, 8, 16 tokens (every row's logits, as a "
-                     "verification asks) and the prefill per prompt token, a child process per role.")(calls)
+    app.command("calls", short_help="Each role's call cost on 1 to 64 tokens, per depth",
+                help="Each role's call cost: one llama.cpp call on 1, 2, 4, … 64 tokens (every row's logits, as a "
+                     "verification asks) after each depth of context, and the prefill per prompt token, a child "
+                     "process per role.")(calls)
 
 
 @with_settings("runtime.family", "runtime.parent", "runtime.threads")
 def calls(
     roles: Optional[str] = typer.Option(None, "--roles", help="Comma-separated roles", metavar="NAMES",
                                         show_default="the parent and every draft"),
-    sizes: str = typer.Option("1,2,4,8,16", "--sizes", help="Comma-separated tokens per call", metavar="N,…"),
+    sizes: str = typer.Option("1,2,4,8,16,32,64", "--sizes", help="Comma-separated tokens per call", metavar="N,…"),
     reps: int = typer.Option(7, "--repeats", "--reps", min=1, max=101, help="Timings per size (the median counts)"),
-    position: int = typer.Option(64, "--position", min=1, max=1 << 16, help="Positions of context before the calls"),
+    positions: str = typer.Option("64,1024", "--positions", "--position", metavar="N,…",
+                                  help="Comma-separated positions of context before the calls (a curve per depth)"),
     json_out: bool = JsonOpt,
     json_file: Optional[Path] = JsonFileOpt,
     md_out: Optional[Path] = MarkdownOpt,
@@ -44,6 +46,7 @@ def calls(
     if plot_out:
         report.check_plot_available()
     ns = int_list(sizes, "--sizes", 1, 512)
+    depths = int_list(positions, "--positions", 1, 1 << 16)
     facts = detect()
     fam = bind_parent(load_family(cfg.runtime.family), SessionSettings.of(cfg, facts=facts))
     names = split_list(roles, "--roles", "role") or fam.roles()
@@ -54,9 +57,9 @@ def calls(
     threads = cfg.runtime.threads
     run_stamp = stamp.take(command_line(), threads)
     with err.status("bench calls") as status:
-        curves = bench_calls.run(fam, names, ns, reps, position, threads,
+        curves = bench_calls.run(fam, names, ns, reps, depths, threads,
                                  lambda role: status.update(f"bench calls: {role} ({fam.variant(role)['type']})"))
-    rep = bench_calls.report(fam, curves, ns, reps, position, threads, run_stamp, facts.to_dict())
+    rep = bench_calls.report(fam, curves, ns, reps, depths, threads, run_stamp, facts.to_dict())
     err.print(bench_calls.markdown(rep), markup=False)
     failure = report.write_outputs(rep, json_file, md_out, plot_out, render=bench_calls.markdown,
                                    draw=bench_calls.plot)
