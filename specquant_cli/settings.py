@@ -7,7 +7,8 @@ included (threads from its cores; serve's parallel sequences from its calibratio
 
 This module is also the only reader of the environment: the settings' variables, `XDG_CACHE_HOME`
 (`cache_home`), `XDG_DATA_HOME` (`data_home`), `COLUMNS` (`columns`) and the self-test's internal variables
-(`INTERNAL_ENV`, through `env`). It imports nothing of the package at load.
+(`INTERNAL_ENV`, through `env`), and the variables of the model stores a reference reaches (`model_stores`:
+HF_HUB_CACHE, HF_HOME, HF_HUB_OFFLINE, OLLAMA_MODELS, LMSTUDIO_MODELS). It imports nothing of the package at load.
 
 Why one file of ~800 lines: the table of every setting is the point of it — one place that says what can be set,
 how, and what each value is checked against — and the readers of specquant.toml, the environment and the flags
@@ -835,6 +836,42 @@ def data_home() -> Optional[Path]:
         except (RuntimeError, KeyError):
             return None
     return Path(base) / "specquant"
+
+
+@dataclass(frozen=True)
+class ModelStores:
+    """Where other tools keep the models a reference reaches (family.refs), as their own variables say: the Hugging
+    Face cache (HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub) and whether it is offline
+    (HF_HUB_OFFLINE); ollama's store (OLLAMA_MODELS, else ~/.ollama/models); LM Studio's models folders
+    (LMSTUDIO_MODELS, else ~/.lmstudio/models and the older ~/.cache/lm-studio/models). None: no home to find it
+    in."""
+
+    hf_cache: Optional[Path]
+    hf_offline: bool
+    ollama: Optional[Path]
+    lmstudio: tuple[Path, ...]
+
+
+def model_stores() -> ModelStores:
+    """The stores as the environment names them now (read at the command edge and handed down)."""
+    def given(name: str) -> Optional[Path]:
+        raw = os.environ.get(name, "")
+        return Path(raw).expanduser() if raw and "\0" not in raw else None
+
+    try:
+        home: Optional[Path] = Path.home()
+    except (RuntimeError, KeyError):
+        home = None
+    hf_home = given("HF_HOME") or (Path(os.environ["XDG_CACHE_HOME"]) / "huggingface"
+                                   if os.path.isabs(os.environ.get("XDG_CACHE_HOME", ""))
+                                   else home / ".cache" / "huggingface" if home else None)
+    hf_cache = given("HF_HUB_CACHE") or (hf_home / "hub" if hf_home else None)
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in TRUE
+    ollama = given("OLLAMA_MODELS") or (home / ".ollama" / "models" if home else None)
+    lms = given("LMSTUDIO_MODELS")
+    lmstudio = (lms,) if lms else tuple(p for p in (home / ".lmstudio" / "models",
+                                                     home / ".cache" / "lm-studio" / "models") if home)
+    return ModelStores(hf_cache, offline, ollama, lmstudio)
 
 
 _resolved_models: list[Optional[Path]] = []  # runtime.models as the running command resolved it

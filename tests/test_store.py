@@ -160,9 +160,9 @@ def test_list_shows_each_family_with_parent_drafts_size_calibration_and_folder(t
     r = run_cli(["list"])
     assert r.exit_code == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].split() == ["NAME", "PARENT", "DRAFTS", "SIZE", "CALIBRATED", "FOLDER"]
-    assert re.fullmatch(r"\* a-fam\s+llama \d+K F16\s+q8\s+\d\.\d\d GiB\s+no\s+" + re.escape(str(a)), lines[1])
-    assert re.fullmatch(r"  b-fam\s+llama \d+K F16\s+q8\s+\d\.\d\d GiB\s+no\s+" + re.escape(str(store / "b-fam")),
+    assert lines[0].split() == ["NAME", "PARENT", "DRAFTS", "SIZE", "CALIBRATED", "FROM", "FOLDER"]
+    assert re.fullmatch(r"\* a-fam\s+llama \d+K F16\s+q8\s+\d\.\d\d GiB\s+no\s+-\s+" + re.escape(str(a)), lines[1])
+    assert re.fullmatch(r"  b-fam\s+llama \d+K F16\s+q8\s+\d\.\d\d GiB\s+no\s+-\s+" + re.escape(str(store / "b-fam")),
                         lines[2])
     assert len(lines) == 3 and r.stderr == ""
     rows = {x["name"]: x for x in listed()}
@@ -184,7 +184,7 @@ def test_list_says_a_family_is_calibrated_for_this_machine(tiny, store, away):
     cal.save(fam, fp, Calibration(parent_call_s={1: 0.01, 2: 0.015}))
     [row] = listed()
     assert row["calibrated"] is True and row["calibrated_renderings"] == ["f16"]
-    assert run_cli(["list"]).stdout.split()[-2] == "yes"
+    assert run_cli(["list"]).stdout.split()[-3:-1] == ["yes", "-"]  # calibrated; no source recorded
 
 
 def test_list_with_nothing_pulled_prints_no_data(away):

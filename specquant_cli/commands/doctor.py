@@ -66,6 +66,7 @@ def doctor(
                 report["settings"] = decide_cache_ram(decided, facts.ram_available).to_dict()
         broken = {role: why for role, why in checks.items() if why}
         report["family"] = {"name": fam.name, "root": str(fam.root), "provenance": fam.provenance,
+                            "source": fam.source or None, "draft_candidates": _draft_candidates(fam),
                             "sha256_verified": verify,
                             "variants": {role: {"ok": why is None, "problem": why} for role, why in checks.items()}}
         try:
@@ -98,6 +99,18 @@ def doctor(
 
         raise FamilyError(f"family {report['family']['name']}: {len(broken)} of {len(report['family']['variants'])} "
                           "variants broken: " + "; ".join(f"{role}: {why}" for role, why in broken.items()))
+
+
+def _draft_candidates(fam) -> list[dict]:
+    """For a family adopted from a model reference (hf:, ollama:, lmstudio:) without a sibling: the smaller models
+    of its parent's vocabulary found on this machine (family.refs.draft_candidates), as --draft-model candidates."""
+    from specquant_cli.family.refs import draft_candidates, is_reference
+    from specquant_cli.settings import model_stores
+
+    if not is_reference(fam.source) or fam.siblings() or not fam.renderings():
+        return []
+    found = draft_candidates(fam.path(PARENT_ROLE), model_stores(), lambda t: None)
+    return [{"reference": f.reference, "type": f.file_type, "size_bytes": f.size_bytes} for f in found]
 
 
 def _plans(facts, fam, calibration, n_ctx: int) -> dict:
@@ -197,6 +210,10 @@ def _render(report: dict, all_settings: bool = False) -> None:
             v.add_row(role, "ok" if st["ok"] else f"[red]broken[/]: {escape(st['problem'])}")
         err.print(v)
         err.print(f"provenance: {report['family']['provenance']}")
+        for c in report["family"]["draft_candidates"]:
+            err.print(f"draft candidate: {c['reference']} ({c['type']}, {gib(c['size_bytes'])}; the parent's "
+                      f"vocabulary): quantize --family {report['family']['name']} --draft-model {c['reference']}",
+                      markup=False)
         if report.get("parent"):
             err.print(f"parent: {report['parent']['why']}", markup=False)
         if report.get("plans"):

@@ -1,6 +1,8 @@
 """`specquant list`: the families `--family NAME` finds from any folder (family.store: ./models, the models folder
 and its index), one line each on stdout — name, parent, draft roles, size on disk, whether this machine has a
-calibration of it, folder — with `*` on the default family, the one a command runs when none is named."""
+calibration of it, where its base came from, folder — with `*` on the default family, the one a command runs when none
+is named. `list --found`: the GGUFs on this machine that model references reach (family.refs: the Hugging Face cache,
+ollama's store, LM Studio's folder), with size, type and the reference to pass."""
 
 from __future__ import annotations
 
@@ -14,17 +16,24 @@ from specquant_cli.commands.options import JsonOpt, with_settings
 from specquant_cli.console import err, gib, out, out_json, warn
 from specquant_cli.settings import Settings
 
-COLUMNS = ("NAME", "PARENT", "DRAFTS", "SIZE", "CALIBRATED", "FOLDER")
+COLUMNS = ("NAME", "PARENT", "DRAFTS", "SIZE", "CALIBRATED", "FROM", "FOLDER")
+FOUND_COLUMNS = ("REFERENCE", "TYPE", "SIZE", "PATH")
 
 
 def register(app: typer.Typer) -> None:
     app.command("list", short_help="List families pulled or quantized",
                 help="List the families --family NAME finds from any folder (./models, the models folder and its "
-                     "index); * marks the default family, the one a command runs when none is named.")(list_families)
+                     "index); * marks the default family, the one a command runs when none is named. --found lists "
+                     "the GGUFs in the Hugging Face cache, ollama's store and LM Studio's folder, with the reference "
+                     "pull and quantize take.")(list_families)
 
 
 @with_settings("runtime.models")
-def list_families(json_out: bool = JsonOpt, *, cfg: Settings) -> None:
+def list_families(json_out: bool = JsonOpt,
+                  found: bool = typer.Option(False, "--found", help="GGUFs in the HF cache, ollama and LM Studio"),
+                  *, cfg: Settings) -> None:
+    if found:
+        return _list_found(json_out)
     from specquant_cli.family import store
     from specquant_cli.settings import models_dir, resolve
 
@@ -52,6 +61,28 @@ def list_families(json_out: bool = JsonOpt, *, cfg: Settings) -> None:
         out(mark + "  ".join([*(cell.ljust(w) for cell, w in zip(line, widths)), line[-1]]))
 
 
+def _list_found(json_out: bool) -> None:
+    """`list --found`: one line per GGUF a model reference reaches, on stdout; where nothing is found, one stderr
+    line naming the places looked in."""
+    from specquant_cli.family import refs
+    from specquant_cli.settings import model_stores
+
+    stores = model_stores()
+    rows = [{"reference": f.reference, "type": f.file_type, "size_bytes": f.size_bytes, "path": str(f.path)}
+            for f in refs.found(stores, warn)]
+    if json_out:
+        out_json(rows)
+        return
+    if not rows:
+        where = [str(stores.hf_cache), str(stores.ollama), *map(str, stores.lmstudio)]
+        err.print(f"no GGUF found in {', '.join(where)}", markup=False)
+        return
+    table = [FOUND_COLUMNS, *((r["reference"], r["type"], gib(r["size_bytes"]), r["path"]) for r in rows)]
+    widths = [max(len(line[i]) for line in table) for i in range(len(FOUND_COLUMNS) - 1)]
+    for line in table:
+        out("  ".join([*(cell.ljust(w) for cell, w in zip(line, widths)), line[-1]]))
+
+
 def _default(given: Settings, folder: Optional[Path], cwd: Optional[Path]) -> Optional[str]:
     """The real path of the family a command runs when none is named on its command line (runtime.family as the
     environment or specquant.toml set it, else family.store.default_family); None when there is none."""
@@ -75,7 +106,8 @@ def _row(k, default: Optional[str], facts, threads: int) -> dict:
 
     row = {"name": k.name, "default": os.path.realpath(k.root) == default, "folder": str(k.root),
            "found_in": k.where, "architecture": None, "n_params": None, "parent": [], "drafts": [],
-           "size_bytes": _size(k.root), "calibrated": False, "calibrated_renderings": [], "problem": None}
+           "size_bytes": _size(k.root), "calibrated": False, "calibrated_renderings": [], "source": None,
+           "problem": None}
     try:
         fam = Family.load(k.root, warn)
         m = fam.manifest
@@ -83,7 +115,8 @@ def _row(k, default: Optional[str], facts, threads: int) -> dict:
         row.update(parent=[_rendering_type(m["variants"][r], r) for r in fam.renderings()],
                    drafts=draft_roles(fam.roles()),
                    architecture=m.get("architecture") if isinstance(m.get("architecture"), str) else None,
-                   n_params=n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None)
+                   n_params=n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None,
+                   source=fam.source or None)
         row["calibrated_renderings"] = _calibrated(fam, facts, threads)
         row["calibrated"] = bool(row["calibrated_renderings"])
     except SpecquantError as e:
@@ -102,7 +135,8 @@ def _cells(row: dict) -> tuple[str, ...]:
     else:
         parent = f"{row['architecture'] or '?'}{size} {'/'.join(row['parent']) or '-'}"
         calibrated = "yes" if row["calibrated"] else "no"
-    return (row["name"], parent, ",".join(row["drafts"]) or "-", gib(row["size_bytes"]), calibrated, row["folder"])
+    return (row["name"], parent, ",".join(row["drafts"]) or "-", gib(row["size_bytes"]), calibrated,
+            row["source"] or "-", row["folder"])
 
 
 def _rendering_type(v, rendering: str) -> str:

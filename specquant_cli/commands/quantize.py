@@ -25,14 +25,15 @@ def register(app: typer.Typer) -> None:
 
 @with_settings("runtime.models", "runtime.threads")
 def quantize(
-    base: Optional[Path] = typer.Argument(None, help="A float GGUF, or a quantized one kept as the parent",
+    base: Optional[Path] = typer.Argument(None, help="A float GGUF or a quantized one kept as the parent; a file or a "
+                                          "reference",
                                           metavar="[BASE]"),
     family: Optional[str] = typer.Option(None, FAMILY_FLAG, metavar="NAME|DIR", show_default="the base's name",
                                          help="The family to make or add to"),  # as typed: ./x is a path, x a name
     out: Optional[Path] = typer.Option(None, "--out", hidden=True,
                                        help="The family's folder (the old spelling of --family; a path as given)"),
     draft_model: Optional[Path] = typer.Option(
-        None, "--draft-model", help="Add a smaller model of the same vocabulary as a draft"),
+        None, "--draft-model", help="Add a smaller model of its vocabulary (file or reference)"),
     draft_role: str = typer.Option("sibling", "--draft-role", help="Role name of the --draft-model"),
     types: Optional[str] = typer.Option(
         None, "--types", help="Types and recipes to add", metavar="TYPES",
@@ -51,14 +52,31 @@ def quantize(
     json_out: bool = JsonOpt,
     *, cfg: Settings,
 ) -> None:
+    from specquant_cli.commands.references import local_model
+    from specquant_cli.settings import models_dir
+
+    work = models_dir()  # where an ollama blob's named link or a split model's merged file is made for the run
+    with local_model(base, work) as b, local_model(draft_model, work) as d:
+        _quantize(b, family, out, d, draft_role, types, grade, role, imatrix, ladder, force, allow_requantize,
+                  json_out, cfg)
+
+
+def _quantize(b, family: Optional[str], out: Optional[Path], d, draft_role: str, types: Optional[str],
+              grade: Optional[float], role: Optional[str], imatrix: Optional[Path], ladder: Optional[str], force: bool,
+              allow_requantize: bool, json_out: bool, cfg: Settings) -> None:
+    """quantize's body, on the BASE and --draft-model as local files (`b`, `d`: commands.references.Model, or None)."""
+    import os
+
     threads = cfg.runtime.threads
+    base = b.path if b is not None else None
+    draft_model = d.path if d is not None else None
     if out is not None and family is not None:
         raise typer.BadParameter("give the family once: --out is the old spelling of --family", param_hint="'--out'")
     if base is None:
         if draft_model is None or (out is None and family is None):
             raise typer.BadParameter("give a BASE model, or --draft-model with --family FAMILY to add a sibling draft "
                                      "to an existing family", param_hint="'BASE'")
-        return _add_sibling(out if out is not None else _located(family), draft_model, draft_role, force, json_out)
+        return _add_sibling(out if out is not None else _located(family), d, draft_role, force, json_out)
     if draft_model is not None:  # a bad sibling is refused before anything is quantized
         from specquant_cli.family.siblings import check_sibling
 
@@ -79,7 +97,7 @@ def quantize(
     if recipes and not info.is_float:
         raise InputError(f"--types {','.join(r.role for r in recipes)}: a draft recipe is made from a float base; "
                          f"{base} is quantized ({info.file_type or info.weight_type})")
-    stem = base.stem
+    stem = b.name or base.stem
     for suffix in ("-f16", ".f16", "-bf16", ".bf16"):
         stem = stem.removesuffix(suffix)
     out_dir = out if out is not None else _target(family, stem, cfg)
@@ -101,7 +119,8 @@ def quantize(
         if qtypes or not info.is_float:  # a quantized base is placed as the parent, drafts or none
             manifest = quantize_family(base, out_dir, qtypes, threads=threads, force=force,
                                        allow_requantize=allow_requantize, progress=progress, f16_if_exact=types is None,
-                                       replace_other=force or not by_name,
+                                       replace_other=force or not by_name, provenance=b.provenance,
+                                       source=b.reference or os.path.abspath(base),
                                        warn=lambda t: prog.console.print(f"warning: {t}", markup=False))
         if recipes:
             manifest = add_variants(out_dir, recipes, base=base, imatrix_path=imatrix, threads=threads, force=force,
@@ -110,10 +129,16 @@ def quantize(
     if draft_model is not None:
         from specquant_cli.family.siblings import add_sibling
 
-        manifest, _ = add_sibling(out_dir, draft_model, draft_role, force=force, warn=_warn)
+        manifest, _ = add_sibling(out_dir, draft_model, draft_role, force=force, warn=_warn, source=d.reference,
+                                  provenance=d.provenance)
     err.print(f"{info.arch} base, {info.n_params / 1e6:.0f}M params -> {out_dir} in {time.perf_counter() - t0:.1f}s")
     if not info.is_float:
         _say_quantized_parent(base, info, manifest)
+    if b.reference is not None and draft_model is None and not any(
+            isinstance(v, dict) and "sibling" in v for v in manifest["variants"].values()):
+        from specquant_cli.commands.references import say_draft_candidates
+
+        say_draft_candidates(base, manifest.get("family") or out_dir.name)
     _print_variants(manifest, json_out)
     remember_family(out_dir)
 
@@ -189,13 +214,14 @@ def _print_variants(manifest: dict, json_out: bool) -> None:
         out_json(manifest)
 
 
-def _add_sibling(family: Path, draft: Path, role: str, force: bool, json_out: bool) -> None:
+def _add_sibling(family: Path, d, role: str, force: bool, json_out: bool) -> None:
     """`quantize --draft-model FILE --family FAMILY` without a base: the sibling added to the family as it is (and
-    the family to the index of families, not made the default)."""
+    the family to the index of families, not made the default). `d`: the draft (commands.references.Model)."""
     from specquant_cli.family.siblings import add_sibling
 
     _check_draft_role(role)
-    manifest, added = add_sibling(family, draft, role, force=force, warn=_warn)
+    manifest, added = add_sibling(family, d.path, role, force=force, warn=_warn, source=d.reference,
+                                  provenance=d.provenance)
     sib = manifest["variants"][role].get("sibling") or {}
     n = sib.get("n_params")
     err.print(f"{'added' if added else 'already there:'} sibling draft {role} ({sib.get('architecture')}, "

@@ -294,7 +294,7 @@ def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
         notes = dict(spec.notes, base=INFLATION_NOTE)
         manifest = quantize_family(
             base, root, parse_types([spec.q4_type, "q8_0", "bf16", "f16"]), threads=threads, force=True,
-            family_name=name, provenance=provenance, notes=notes, warn=warn, out_label="--models-dir",
+            family_name=name, provenance=provenance, notes=notes, warn=warn, out_label="--models-dir", source=name,
             progress=(lambda t, d, n: progress(f"quantize {t}", d, n)) if progress else None)
     if spec.siblings:
         pull_siblings(spec, root, progress, warn)
@@ -319,12 +319,16 @@ def is_file_name(name: str) -> bool:
 
 
 def pull_file(path: Path, models_dir: Path, *, force: bool = False, threads: int = 0, allow_requantize: bool = False,
-              progress: Optional[Progress] = None, warn: Optional[Callable[[str], None]] = None) -> tuple[Family, bool]:
+              progress: Optional[Progress] = None, warn: Optional[Callable[[str], None]] = None,
+              name: Optional[str] = None, source: Optional[str] = None,
+              provenance: Optional[str] = None) -> tuple[Family, bool]:
     """A family of a GGUF file already here (no hub: a file the user downloaded), in `models_dir` under the file's
     name, made as `quantize FILE` makes it: a float base quantized into the standard drafts beside its exact
     renderings; a quantized one (Q8_0, Q6_K, ...) kept as it is as the parent, drafts quantized from it only with
     `allow_requantize`. Like a demo pull, a family already made of this file is checked and kept. Returns (family,
-    built_now)."""
+    built_now). `name`: the family's (default: the file's, without .gguf and a -f16 or -bf16 ending); `source`:
+    where the file came from, recorded as the base's `source` (a model reference; default: the file's path);
+    `provenance`: what it is, as the manifest tells it."""
     from specquant_cli.family.ggufio import read_info
     from specquant_cli.family.manifest import read_existing
     from specquant_cli.family.quantize import default_types, quantize_family
@@ -338,12 +342,13 @@ def pull_file(path: Path, models_dir: Path, *, force: bool = False, threads: int
     if models_dir.exists() and not models_dir.is_dir():
         raise InputError(f"--models-dir {models_dir}: not a folder")
     info = read_info(path)
-    stem = path.stem.removesuffix("-f16").removesuffix("-bf16")
+    stem = name or path.stem.removesuffix("-f16").removesuffix("-bf16")
     root = models_dir / stem
     before = read_existing(root)[0] if root.is_dir() else None
     manifest = quantize_family(path, root, default_types(info, allow_requantize), threads=threads, force=force,
                                allow_requantize=allow_requantize, warn=warn, out_label="--models-dir",
-                               f16_if_exact=True, replace_other=force,
+                               f16_if_exact=True, replace_other=force, provenance=provenance,
+                               source=source or os.path.abspath(path),
                                progress=(lambda t, d, n: progress(f"quantize {t}", d, n)) if progress else None)
     return Family(root, manifest), _files(before) != _files(manifest)
 

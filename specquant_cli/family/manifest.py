@@ -582,6 +582,14 @@ class Family:
         return p if isinstance(p, str) else ""
 
     @property
+    def source(self) -> str:
+        """Where the base came from, as given: a model reference (hf:…, ollama:…, lmstudio:…), a file's path or a
+        demo family's name; "" when the family recorded none (made before it was recorded)."""
+        base = self.manifest.get("base")
+        s = base.get("source", "") if isinstance(base, dict) else ""
+        return s if isinstance(s, str) else ""
+
+    @property
     def hparams(self) -> dict:
         return self.manifest.get("hparams", {})
 

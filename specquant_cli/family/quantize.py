@@ -340,9 +340,10 @@ def _warn_without_parent(steps: list, old: Optional[dict], warn: WarnFn) -> None
 
 def build_manifest(old: Optional[dict], same_base: bool, name: str, info: GGUFInfo, base_file: str, base_sha: str,
                    base_size: int, variants: dict, provenance: Optional[str], notes: Optional[dict],
-                   warn: WarnFn) -> dict:
+                   warn: WarnFn, source: Optional[str] = None) -> dict:
     """The new manifest. What specquant does not own is kept from the old one (unknown keys, notes, a
-    recorded provenance of the same base, and the variants of other roles made from the same base)."""
+    recorded provenance of the same base, and the variants of other roles made from the same base). `source`: where
+    the base came from (a model reference, a path), recorded as the base's `source` (else the same base's kept)."""
     old = old or {}
     old_variants = old.get("variants") if isinstance(old.get("variants"), dict) else {}
     old_base = old.get("base") if same_base and isinstance(old.get("base"), dict) else {}
@@ -374,7 +375,7 @@ def build_manifest(old: Optional[dict], same_base: bool, name: str, info: GGUFIn
         "n_params": info.n_params,
         "hparams": info.hparams,
         "base": {**old_base, "file": base_file, "sha256": base_sha, "size_bytes": base_size,
-                 "type": info.weight_type, "provenance": prov},
+                 "type": info.weight_type, "provenance": prov, **({"source": source} if source else {})},
         "roles": {role: v.get("type") for role, v in all_variants.items() if isinstance(v, dict)},
         "variants": all_variants,
         "notes": new_notes,
@@ -443,7 +444,7 @@ def _stager(staged: list, step: Step) -> Callable[[Path], None]:
 
 def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, threads: int = 0,
                     force: bool = False, allow_requantize: bool = False, family_name: Optional[str] = None,
-                    provenance: Optional[str] = None, notes: Optional[dict] = None,
+                    provenance: Optional[str] = None, notes: Optional[dict] = None, source: Optional[str] = None,
                     progress: Optional[ProgressFn] = None, warn: Optional[WarnFn] = None,
                     out_label: str = "--out", f16_if_exact: bool = False, replace_other: bool = True) -> dict:
     """Make every requested variant of `base` in `out_dir` and write `manifest.json`. Returns the manifest.
@@ -459,7 +460,8 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
 
     The family keeps its name (the manifest's) when it is made again of the same base; files of variants the new
     manifest no longer names are removed (remove_dropped). A folder holding a family of another base is rebuilt,
-    unless `replace_other` is False: InputError then, and nothing changes."""
+    unless `replace_other` is False: InputError then, and nothing changes. `source`: where the base came from (a
+    model reference, a path), recorded in the manifest's base."""
     warn = warn or fam.silent
     base = Path(base)
     info = read_info(base)
@@ -526,7 +528,7 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
             own = next((s for s in steps if s.q.name == base_rendering(info) and s.action in ("keep", "place")), None)
             base_file = own.dst.name if own else str(base)
             manifest = build_manifest(old, same_base, stem, info, base_file, base_sha, base.stat().st_size, variants,
-                                      provenance, notes, warn)
+                                      provenance, notes, warn, source)
             if unusable:
                 _set_aside(out_dir / fam.MANIFEST, unusable, warn)
             fam.commit(out_dir, [(t, s.dst) for t, s in staged], manifest)
