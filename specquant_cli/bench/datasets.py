@@ -182,10 +182,16 @@ def check_lengths(items: Sequence[Item], check: Callable[[str], object],
             raise InputError(f"{it.named()}: {e}") from None
 
 
+# Prompt sets shipped in the package and selectable by name (`--dataset spec-bench`), where no file of that name
+# is here; their origin and licences: bench/NOTICE-datasets.txt.
+NAMED = {"spec-bench": "spec-bench", "gsm8k": "gsm8k"}
+
+
 def builtin(name: str = "prompts") -> list[Item]:
     """A built-in set: "prompts" (chat, code, maths, ...), "structured" (JSON extraction and tool calls) or "edits"
     (small changes to excerpts of the Python standard library's source, CPython 3.11, PSF License: each answer is the
-    whole excerpt changed, and the excerpt is its prediction)."""
+    whole excerpt changed, and the excerpt is its prediction); or a named set (NAMED): "spec-bench" (the 480
+    Spec-Bench questions) or "gsm8k" (80 GSM8K test problems with their answers)."""
     text = resources.files("specquant_cli.bench").joinpath(f"{name}.jsonl").read_text(encoding="utf-8")
     return _items(text.splitlines(), "builtin" if name == "prompts" else name)
 
@@ -199,6 +205,9 @@ def load(files: Sequence[Path], categories: Optional[Sequence[str]] = None, limi
     if not files and not structured and not edits:
         items = builtin()
     for f in files:
+        if str(f) in NAMED and not Path(f).exists():  # a set shipped in the package, by name
+            items += builtin(NAMED[str(f)])
+            continue
         raw = read_input_file(f, "--dataset", "dataset file")  # a FIFO or a device: refused, never read
         text = decode_input(raw, f"dataset {f}")
         items += _items(text.split("\n"), str(f))  # \n only, like every JSON-lines reader

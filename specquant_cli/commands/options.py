@@ -28,7 +28,7 @@ JsonOpt = typer.Option(False, "--json", help="JSON on stdout")
 JsonFileOpt = typer.Option(None, "--json-file", metavar="FILE", help="Write the JSON report to FILE")
 MarkdownOpt = typer.Option(None, "--markdown", metavar="FILE", help="Write a markdown report to FILE")
 PlotOpt = typer.Option(None, "--plot", metavar="FILE", help="Write the report's plot to FILE (PNG)")
-DatasetOpt = typer.Option([], "--dataset", metavar="FILE", help="Spec-Bench JSONL (repeatable)",
+DatasetOpt = typer.Option([], "--dataset", metavar="FILE", help="JSONL, spec-bench, gsm8k",
                           show_default="the built-in set")
 CategoriesOpt = typer.Option(None, "--categories", metavar="NAMES", help="Comma-separated categories",
                              show_default=False)
