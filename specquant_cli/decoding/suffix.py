@@ -85,8 +85,8 @@ class SuffixDrafter(DrafterBase):
         self._from: Optional[Place] = None
         self._cursor: Optional[tuple[Place, int]] = None  # where the copy stands, and the sequence's length then
         # (packed position, sequence length, tail lengths looked for, whether the parent's first token may have
-        # replaced the document's) of the last departure
-        self._departed: Optional[tuple[int, int, tuple[int, ...], bool]] = None
+        # replaced the document's, tokens the copy had held when it departed) of the last departure
+        self._departed: Optional[tuple[int, int, tuple[int, ...], bool, int]] = None
         self._trial: Optional[tuple[list[int], list[int]]] = None  # the substitution the last rejoin implies
         self.edits = Edits()  # the substitutions this answer made in what it copies
         self._run = 0  # answer tokens the copy has held since it last departed
@@ -116,18 +116,29 @@ class SuffixDrafter(DrafterBase):
         if answer == list(doc_tokens[:len(answer)]) and len(answer) < len(doc_tokens):
             self._cursor, self._departed = (Place(doc_start + len(answer)), len(seq)), None
         else:
-            self._cursor, self._departed = None, (doc_start, start, COPY_TAILS, False)
+            self._cursor, self._departed = None, (doc_start, start, COPY_TAILS, False, 0)
 
     def remember(self, seq: Sequence[int]) -> None:
         """Write the verified sequence `seq` (a continuation of the last, or a new document)."""
         if self.recorder is not None:
             self.recorder.record(seq)
 
-    def _best_length(self, alpha: float, available: int, n: int, pos: int = 0) -> int:
+    def _best_length(self, alpha: float, available: int, n: int, pos: int = 0,
+                     steps: Sequence[Step] = ()) -> int:
         """The draft length worth its verifying call at context position `pos`: no draft model, so the cost is that
-        call alone."""
+        call alone. Where a copy's `steps` read a substitution the answer has gone both ways on, the tokens from there
+        on count with the chance that reading holds (its record): a draft is cut back where the source predicts a
+        divergence, not run on through a coin toss."""
         cost = self.verify_cost.at(pos)
-        return best_draft_length(lambda gamma: expected_tokens(alpha, gamma) / cost(gamma + 1), min(n, available))[0]
+        top = min(n, available)
+        if not any(st.doubt is not None for st in steps[:top]):
+            return best_draft_length(lambda gamma: expected_tokens(alpha, gamma) / cost(gamma + 1), top)[0]
+        expect, survive = [1.0], 1.0  # expected tokens of a draft of each length, and the chance its last is reached
+        for i in range(top):
+            st = steps[i] if i < len(steps) else None
+            survive *= alpha * (self.edits.holds(st.doubt) if st is not None and st.doubt is not None else 1.0)
+            expect.append(expect[-1] + survive)
+        return best_draft_length(lambda gamma: expect[gamma] / cost(gamma + 1), top)[0]
 
     def _alpha(self, kind: int, held: int) -> float:
         """The per-token acceptance a draft of `kind` is sized with: its measured one, raised by what the text it
@@ -173,7 +184,7 @@ class SuffixDrafter(DrafterBase):
             start = survivors[0] if track and len(survivors) == 1 else None
             place = Place(start) if start is not None else None
             steps = [Step(t, Place(start + i + 1)) for i, t in enumerate(tokens)] if start is not None else []
-        g = self._best_length(self._alpha(kind, held), len(tokens), n, len(seq))
+        g = self._best_length(self._alpha(kind, held), len(tokens), n, len(seq), steps)
         if g == 0:
             return Draft()
         self._last, self._steps, self._from = (kind, start, len(seq)), steps[:g], place
@@ -190,11 +201,23 @@ class SuffixDrafter(DrafterBase):
                 return CONTINUE, [], place, self._run
             self._cursor = None
         match_len, cands = self.memory.match(seq)
+        # right after a departure from a copy, where it rejoins the document comes before a match shorter than a copy's
+        # (one elsewhere, often the answer's own text: "x, low" where the signature went on "=0")
+        first = match_len >= COPY_MATCH or self._departed is None or self._departed[2] != COPY_TAILS
+        if match_len >= MIN_MATCH and first:
+            return _bucket(match_len), cands, None, match_len
+        rejoin = self._rejoin(seq) if track and self._departed is not None else None
+        if rejoin is not None:
+            return rejoin
         if match_len >= MIN_MATCH:
             return _bucket(match_len), cands, None, match_len
-        if not track or self._departed is None:
-            return None
-        at, n, tails, replaced = self._departed
+        return None
+
+    def _rejoin(self, seq: Sequence[int]) -> Optional[tuple[int, list[int], Optional[Place], int]]:
+        """Where the answer rejoins the document it departed from (its last tokens found a little further on, or the
+        document's next token after the parent's own took its place), with the substitution it implies on trial, and
+        the tokens the copy had held: a copy that held long and broke on a rename drafts on as far as it had earned."""
+        at, n, tails, replaced, held = self._departed
         since = len(seq) - n  # answer tokens since the departure (the parent's own first)
         if since > REJOIN_SPAN:
             self._departed = None
@@ -204,10 +227,10 @@ class SuffixDrafter(DrafterBase):
                 q = self.memory.find_after(at, seq[len(seq) - m:], REJOIN_WINDOW)
                 if q is not None:
                     self._trial = self._implied(at, q - m, seq, n, len(seq) - m)
-                    return REJOIN, [], Place(q), 0
+                    return REJOIN, [], Place(q), held
         if since == 1 and replaced and self.memory.token_at(at + 1) is not None:
             self._trial = self._implied(at, at + 1, seq, n, len(seq))
-            return REJOIN, [], Place(at + 1), 0  # the parent's token took the document's (a renamed word)
+            return REJOIN, [], Place(at + 1), held  # the parent's token took the document's (a renamed word)
         return None
 
     def _implied(self, at: int, end: int, seq: Sequence[int], dep: int, upto: int):
@@ -244,6 +267,9 @@ class SuffixDrafter(DrafterBase):
                 return
         if trial is not None and kind == REJOIN and k >= 1:  # the rejoin held: the edit that led to it is learned
             self.edits.learn(*trial)
+        for st in steps[:k]:  # where a substitution on record was read one way and kept
+            if st.doubt is not None:
+                self.edits.kept(st.doubt, st.substituted)
         before = steps[k - 1].after if k else self._from  # where the copy stood at the parent's own token
         opens = steps[k].opens if k < len(steps) else None
         if opens is not None:  # the parent did not make the substitution proposed here
@@ -254,12 +280,13 @@ class SuffixDrafter(DrafterBase):
         if k == outcome.proposed and ahead and ahead[0].token == outcome.next_token:
             return self._goes_on(ahead[0].after, n + k + 1, k + 1)
         if kind == REJOIN and k == 0 and self._departed is not None:  # a wrong rejoin: the edit goes on
-            self._cursor, self._departed = None, (*self._departed[:3], False)
+            self._cursor, self._departed = None, (*self._departed[:3], False, 0)
             return
         # a copy in progress (or a long match, or an edit in one) is rejoined on the answer's last token alone, and
         # the parent's token first taken to replace the document's
         copying = kind in (CONTINUE, REJOIN) or (kind < len(BUCKETS) and BUCKETS[kind] >= COPY_MATCH)
-        self._cursor, self._departed = None, (before.at, n + k, COPY_TAILS if copying else (2,), copying)
+        self._cursor, self._departed = None, (before.at, n + k, COPY_TAILS if copying else (2,), copying,
+                                              self._run + k if copying else 0)
         self._run = 0
 
     def _goes_on(self, place: Place, n: int, kept: int) -> None:
