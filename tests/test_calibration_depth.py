@@ -96,7 +96,7 @@ def test_an_entry_of_the_previous_schema_lacks_the_new_fields():
     for k in ("draft_call_s", "deep_call_s", "deep_pos", "import_s"):
         del entry[k]
     assert "draft_call_s, deep_call_s, deep_pos, import_s missing" in entry_problem(entry)
-    assert SCHEMA == 7  # 7: the parent measured deep up to 64 tokens (DEEP_PARENT_SIZES)
+    assert SCHEMA == 8  # 7: the parent measured deep up to 64 tokens (DEEP_PARENT_SIZES); 8: CPU attention unfused
 
 
 def test_a_long_verify_call_deep_in_the_context_is_priced_from_its_own_size():

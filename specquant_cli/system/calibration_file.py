@@ -31,7 +31,7 @@ from specquant_cli.system.calibration import (
 )
 
 CALIBRATION_FILE = CALIBRATION
-SCHEMA = 7  # part of the cache key: an entry measured by an older version is measured again
+SCHEMA = 8  # part of the cache key: an entry measured by an older version is measured again
 MAX_DEEP_POS = 1 << 20  # a stored deep position beyond this is not one any context holds
 
 
