@@ -23,10 +23,10 @@ def register(app: typer.Typer) -> None:
 def calls(
     roles: Optional[str] = typer.Option(None, "--roles", help="Comma-separated roles", metavar="NAMES",
                                         show_default="the parent and every draft"),
-    sizes: str = typer.Option("1,2,4,8,16,32,64", "--sizes", help="Comma-separated tokens per call", metavar="N,…"),
+    sizes: str = typer.Option("1,2,4,8,16,32,64", "--sizes", help="Tokens per call", metavar="N,…"),
     reps: int = typer.Option(7, "--repeats", "--reps", min=1, max=101, help="Timings per size (the median counts)"),
-    positions: str = typer.Option("64,1024", "--positions", "--position", metavar="N,…",
-                                  help="Comma-separated positions of context before the calls (a curve per depth)"),
+    positions: str = typer.Option("64,1024", "--positions", metavar="N,…",
+                                  help="Context depths, a curve each"),
     json_out: bool = JsonOpt,
     json_file: Optional[Path] = JsonFileOpt,
     md_out: Optional[Path] = MarkdownOpt,

@@ -8,8 +8,9 @@ file's, then the copy went on), it learns the substitution — the file's tokens
 proposes the answer's tokens at the next occurrence of the file's, so a draft runs on through it instead of breaking
 there (Cursor's speculative edits and SuffixDecoding meet here). A substitution is proposed where the parent made it
 the last time the document's tokens occurred: a one-off edit of a common token costs one rejected draft, not one at each
-of its occurrences. Where the answer has gone both ways on it, the draft is cut back there (`Edits.holds`). (Ending drafts before the occurrences of a forgotten substitution was
-tried: on edits that change a common token once, it cut every later draft there and cost more calls than it saved.)
+of its occurrences. Where the answer has gone both ways on it, the draft is cut back there (`Edits.holds`). (Ending
+every draft before a dropped substitution's occurrences was tried: on edits that change a common token once, it cut
+every later draft there and cost more calls than it saved; the record's chance cuts only where the answer wavers.)
 
 A substitution is learned as the tokens it replaced (at most MAX_FROM) and those put in their place (at most MAX_TO, and
 no more than MAX_GROWTH tokens more or fewer: a name, a number, a word, not a line);
@@ -58,7 +59,8 @@ class Edits:
     was proposed), and how often it went the way it had gone the time before. One is proposed (`rules`) where the
     answer made it last time: a rename is carried forward from its first occurrence, a one-off edit costs one rejected
     draft, and a rename made in one part of a file and not in the next stops where the answer stops making it. The
-    chance a reading holds (`holds`) is the record's: a model that goes both ways on a name gets its drafts cut there."""
+    chance a reading holds (`holds`) is the record's: a model that goes both ways on a name has its drafts cut
+    there."""
 
     def __init__(self):
         self.rules: dict[tuple[int, ...], tuple[int, ...]] = {}
