@@ -31,7 +31,7 @@ def _ok(args, tmp_path):
 def test_the_bench_group_lists_its_subcommands():
     r = run_cli(["bench", "--help"])
     assert r.exit_code == 0
-    for sub in ("prompts", "load", "batch", "calls", "engine", "prefill", "drafts", "rpc", "route"):
+    for sub in ("prompts", "load", "batch", "calls", "logits", "engine", "prefill", "drafts", "rpc", "route"):
         assert sub in r.stdout
 
 
@@ -57,6 +57,22 @@ def test_calls_measures_each_role_in_a_child_at_each_depth(family_dir, tmp_path)
     rows = [ln for ln in md.splitlines() if ln.startswith("| f16 | f16 |") or ln.startswith("| q4 |")]
     assert [ln.split(" | ")[2] for ln in rows] == ["16", "80", "16", "80"]  # a row per role and depth
     assert rows[0].split(" | ")[-2] == "1.00–1.00"  # the first depth against itself
+
+
+def test_logits_compares_each_way_a_row_is_computed_against_one_token_at_a_time(family_dir, tmp_path):
+    rep, md, _ = _ok(["logits", "--family", str(family_dir), "--positions", "8", "--other-threads", "1"], tmp_path)
+    [(role, r)] = rep["models"].items()
+    assert role == "f16" and r["answer_tokens"] == 8 and r["prompt_tokens"] > 8
+    cases = {c["case"]: c for c in r["cases"]}
+    assert {"reference again", "verify batch", "restored prefix", "prefill chunks of 7", "prefill split at 50%",
+            "beside a slot"} <= set(cases)
+    control = cases["reference again"]
+    assert control["rows"] == control["bit_equal"] == control["top_same"] == 8 and control["max_diff"] == 0.0
+    assert cases["verify batch"]["rows"] == sum(n * len([o for o in (0, 5, 17) if o + n <= 8]) for n in (2, 4, 8))
+    for c in r["cases"]:
+        assert c["rows"] and 0 <= c["bit_equal"] <= c["rows"] and c["max_diff"] >= 0, c
+        assert (c["bit_equal"] == c["rows"]) == (c["max_diff"] == 0.0), c
+    assert "| reference again | 8 | 8/8 | 0 | 8/8 |" in md
 
 
 @pytest.mark.parametrize("args, needle", [

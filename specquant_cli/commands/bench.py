@@ -5,7 +5,8 @@
   recorded trace replayed (`--replay`);
 - `record`: a pass-through proxy that records a real client's requests as a trace;
 - `batch`: requests decoding together in one process (the server's slots and batcher, no HTTP);
-- `calls`: each role's call-cost curve (a parent or draft call on 1..16 tokens, prefill per token);
+- `calls`: each role's call-cost curve (a parent or draft call on 1..64 tokens at each depth, prefill per token);
+- `logits`: the parent's logits computed each way a request can (batches, restored prefixes, chunks, slots): bit-equal?
 - `engine`: the engine per drafter and draft length, against the cost its own calls predict;
 - `prefill`: a running stream's gaps while a long prompt is prefilled beside it, per --prefill-chunk;
 - `drafts`: draft variants' size, step, agreement with the parent and perplexity;
@@ -27,6 +28,7 @@ def register(app: typer.Typer) -> None:
         bench_drafts,
         bench_engine,
         bench_load,
+        bench_logits,
         bench_prefill,
         bench_prompts,
         bench_record,
@@ -35,7 +37,7 @@ def register(app: typer.Typer) -> None:
     )
 
     PANELS = {"Measure": (bench_prompts, bench_load, bench_record, bench_drafts, bench_route),  # for users first
-              "Diagnostics": (bench_calls, bench_engine, bench_prefill, bench_batch, bench_rpc)}
+              "Diagnostics": (bench_calls, bench_logits, bench_engine, bench_prefill, bench_batch, bench_rpc)}
 
     from specquant_cli.commands.options import SpecquantGroup
 
