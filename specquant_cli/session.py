@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 from specquant_cli.decoding.sampling import SamplingParams
 from specquant_cli.decoding.stream import Response, stream_generate
@@ -195,7 +195,7 @@ class ChatSession:
             (answer, records): routing and planning happen now, generation only as `records` is consumed;
             `answer.text` and `answer.last` fill in as it goes, complete once the iterator is exhausted."""
         answer, records = self.ask_messages(self.messages(text), route_text=text, grammar=self.grammar,
-                                            tools=self.tools, prediction=self.prediction)
+                                            tools=self.tools, prediction=self.prediction_tokens(self.prediction))
         if not remember:
             return answer, records
 
@@ -209,15 +209,15 @@ class ChatSession:
                      sampling: Optional[SamplingParams] = None, max_tokens: Optional[int] = None,
                      stop: Optional[Sequence[str]] = None, raw_prompt: Optional[str] = None, scope: str = "",
                      grammar=None, tools: Optional[list[dict]] = None, top_logprobs: Optional[int] = None,
-                     prediction: Union[str, Sequence[int], None] = None) -> tuple[Answer, Iterator[Response]]:
+                     prediction: Sequence[int] = ()) -> tuple[Answer, Iterator[Response]]:
         """Like `ask`, for a whole conversation given as messages (the server's entry point); the session's
         history is not used or changed. The route scores `route_text` (default: the last user message).
         `raw_prompt` is tokenized as it is instead of rendering the messages (plain completions). `scope`: the
         request's scope (a server's tenant and cache_salt; "" for a session alone), whose part of the drafting memory
         its drafter uses. `grammar` (decoding.grammar.Grammar): what the answer must be; `tools`: OpenAI function tools
         the chat template describes to the model; `top_logprobs`: record the parent's log-probabilities with that
-        many alternatives; `prediction`: the text (or its token ids) the answer is expected to resemble, drafted from
-        by a policy that speculates (Predicted Outputs: the answer stays the parent's own)."""
+        many alternatives; `prediction`: the token ids the answer is expected to resemble (`prediction_tokens` of its
+        text), drafted from by a policy that speculates (Predicted Outputs: the answer stays the parent's own)."""
         if route_text is None:
             route_text = raw_prompt if raw_prompt is not None else next(
                 (m["content"] for m in reversed(messages) if m["role"] == "user"), "")
@@ -226,7 +226,7 @@ class ChatSession:
         prompt = model.tokenize(raw_prompt, add_bos=model.add_bos()) if raw_prompt is not None \
             else model.chat_prompt(messages, tools)
         limit = max_tokens or self.max_tokens
-        predicted = self.prediction_tokens(prediction)
+        predicted = list(prediction)
         self.runtime.pool.release_idle()  # a draft no plan has used for a while goes (runtime.pool.IDLE_RELEASE_S)
         route, plan = self.plan(route_text, policy, prompt, answer_tokens=limit, prediction=len(predicted))
         answer = Answer(route_text, route, plan, route_s=time.perf_counter() - t0)
@@ -248,13 +248,13 @@ class ChatSession:
 
         return answer, run()
 
-    def prediction_tokens(self, prediction: Union[str, Sequence[int], None]) -> list[int]:
-        """`prediction` as token ids (its text tokenized as plain text: no special tokens), [] for none or an empty
-        one; an InputError when it is longer than the context."""
-        if not prediction:
+    def prediction_tokens(self, text: Optional[str]) -> list[int]:
+        """A prediction's text as the token ids the engine drafts from (tokenized as plain text: no special tokens),
+        [] for none or an empty one; an InputError when it is longer than the context. The one place a prediction
+        turns from text into tokens, on its way down (chat --predict, a request's `prediction`)."""
+        if not text:
             return []
-        tokens = list(prediction) if not isinstance(prediction, str) else \
-            self.runtime.tokenizer().tokenize(prediction, add_bos=False, special=False)
+        tokens = self.runtime.tokenizer().tokenize(text, add_bos=False, special=False)
         n_ctx = self.runtime.pool.n_ctx
         if len(tokens) > n_ctx:
             raise InputError(f"the prediction is {len(tokens)} tokens, longer than the context ({n_ctx} tokens)")

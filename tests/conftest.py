@@ -85,10 +85,10 @@ def _isolate(monkeypatch, tmp_path_factory, selftest_cache):
     # Which rendering `auto` makes the parent depends on this machine's CPU and calibration: pinned to F16 (what a
     # family opened without a session serves too); the tests of the choice set it themselves.
     monkeypatch.setenv("SPECQUANT_PARENT", PINNED_PARENT)
-    from specquant_cli import settings
+    from specquant_cli.settings import environment
 
-    settings._resolved_debug.clear()  # what an earlier in-process command resolved
-    settings._resolved_models.clear()
+    environment._resolved_debug.clear()  # what an earlier in-process command resolved
+    environment._resolved_models.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ import pytest
 from specquant_cli.decoding.memory import DraftMemory, ScopedMemory
 from specquant_cli.decoding.suffix import SuffixDrafter
 from specquant_cli.errors import InputError
-from specquant_cli.runtime.prefixes import (
+from specquant_cli.runtime.prompt_cache import (
     ENTRY_OVERHEAD,
     KEY_FILE,
     LOCK_FILE,

@@ -21,7 +21,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from test_serve import COUNTING, KEY, LONG, N, ServerProc, chat_cli, wait_for
 
-from specquant_cli.serving.app import CSP, PAGE_FILES, STATIC_DIR, Guard, _add_page
+from specquant_cli.serving.app import CSP, PAGE_FILES, STATIC_DIR, _add_page
+from specquant_cli.serving.guard import Guard
 
 from conftest import REPO
 

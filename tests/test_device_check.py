@@ -102,7 +102,9 @@ def test_cut_layers_keeps_the_blocks_asked_for_renumbered(tmp_path):
 
     from specquant_cli.backend.tiny import write_tiny_llama
     from specquant_cli.errors import ModelFileError
-    from specquant_cli.family.ggufio import PROVENANCE_KEY, cut_layers, read_info
+    from specquant_cli.family.gguf_read import read_info
+    from specquant_cli.family.gguf_types import PROVENANCE_KEY
+    from specquant_cli.family.gguf_write import cut_layers
 
     src = write_tiny_llama(tmp_path / "four.gguf", layers=4, layer_gain=0.5)
     dst = tmp_path / "cut.gguf"
@@ -127,7 +129,7 @@ def test_random_model_has_its_shape_and_wanders(tmp_path):
     from specquant_cli.backend.tiny import Shape, write_random_model
     from specquant_cli.decoding.engine import Engine
     from specquant_cli.decoding.stream import generate_text
-    from specquant_cli.family.ggufio import read_info
+    from specquant_cli.family.gguf_read import read_info
 
     shape = Shape(arch="qwen2", dim=128, layers=2, heads=4, kv_heads=2, ff=256, vocab=1024, qkv_bias=True)
     path = write_random_model(tmp_path / "r.gguf", shape)

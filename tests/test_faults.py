@@ -273,9 +273,9 @@ def test_deferred_holds_a_signal_that_lands_on_another_thread():
 LOG_CALLBACK_CHILD = """
 import signal, sys, time
 from specquant_cli import interrupts
-from specquant_cli.backend import llama
+from specquant_cli.backend import log
 interrupts.install()
-llama.init_backend()
+log.init_backend()
 
 class Interrupted:  # the signal arrives while llama.cpp's log line is being written
     def write(self, text):
@@ -285,8 +285,8 @@ class Interrupted:  # the signal arrives while llama.cpp's log line is being wri
     def flush(self):
         pass
 
-llama._log_file = Interrupted()
-llama._log_cb(2, b"a log line\\n", None)  # through C, as llama.cpp calls it
+log._log_file = Interrupted()
+log._log_cb(2, b"a log line\\n", None)  # through C, as llama.cpp calls it
 time.sleep(5)
 print("the interrupt was lost")
 """

@@ -495,11 +495,11 @@ def test_a_broken_own_imatrix_is_named_up_front(tiny, tmp_path):
 
 
 def test_calibrate_activations_with_too_little_disk_is_refused_before_the_run(fam, monkeypatch):
-    import specquant_cli.family.imatrix as im
+    import specquant_cli.family.activations as act
 
     real = shutil.disk_usage
-    monkeypatch.setattr(im.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
-    monkeypatch.setattr(im, "collect", lambda *a, **k: pytest.fail("collected with no disk to keep the result"))
+    monkeypatch.setattr(act.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    monkeypatch.setattr(act, "collect", lambda *a, **k: pytest.fail("collected with no disk to keep the result"))
     before = snapshot(fam)
     r = cli(["calibrate-activations", "--family", fam, "--tokens", "64"])
     assert_clean_error(r, 1, f"not enough disk in {fam}", "MiB free")
@@ -511,7 +511,7 @@ def test_calibrate_activations_full_disk_at_the_write_is_one_line(fam, monkeypat
     import errno
 
     import specquant_cli.family.imatrix as im
-    from specquant_cli.family import manifest
+    from specquant_cli.family import journal
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -519,7 +519,7 @@ def test_calibrate_activations_full_disk_at_the_write_is_one_line(fam, monkeypat
     if where == "save":
         monkeypatch.setattr(im.ActivationStats, "save", full)
     else:
-        monkeypatch.setattr(manifest, "commit", full)
+        monkeypatch.setattr(journal, "commit", full)
     before = snapshot(fam)
     r = cli(["calibrate-activations", "--family", fam, "--tokens", "64", "--chunk", "64"])
     assert_clean_error(r, 1, f"cannot write {fam / 'imatrix.gguf'}", "No space left on device", str(fam))
@@ -606,3 +606,14 @@ def test_a_planted_log_link_is_still_refused_by_calibrate_activations(fam, tmp_p
     r = cli(["calibrate-activations", "--family", fam, "--tokens", "64"])
     assert_clean_error(r, 1, "quantize.log is a symbolic link")
     assert victim.read_text() == "precious\n" and without(snapshot(fam), ".specquant.lock") == before
+
+
+# -- a timing no machine measures --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("step", [5e-324, 1e-9, 1e-300])
+def test_a_calibration_with_an_impossible_timing_is_refused(step):
+    from specquant_cli.system.calibration_file import entry_problem
+
+    entry = {"parent_call_s": {"1": step}, "draft_step_s": {}, "prefill_token_s": {}, "agreement": {},
+             "tokens_per_cycle": {}, "draft_pair_s": {}, "fingerprint": {}, "measured_at": "", "left_out": [],
+             "draft_call_s": {}, "deep_call_s": {}, "deep_pos": 0, "import_s": {}}
+    assert "not a timing" in entry_problem(entry)

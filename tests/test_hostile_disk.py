@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 from hostile_util import assert_clean_error, cli
 
-from specquant_cli.family.manifest import JOURNAL, LOCK, MANIFEST, PREV_MANIFEST, UNUSABLE_JOURNAL
+from specquant_cli.names import JOURNAL, LOCK, MANIFEST, PREV_MANIFEST, UNUSABLE_JOURNAL
 from specquant_cli.settings import cores
+
+from conftest import REPO
 
 STEM = "smollm2-135m"
 Q4, Q8, F16 = f"{STEM}-q4_k_m.gguf", f"{STEM}-q8_0.gguf", f"{STEM}-f16.gguf"
@@ -373,7 +375,7 @@ def test_probe_empty_journal_no_longer_breaks_the_family(fam, command):
 def _interrupted_commit(root: Path, monkeypatch, renames, manifest) -> None:
     """commit() as the code does it, dying (an OSError) right before the roll-forward: the journal stays."""
     from specquant_cli.errors import FamilyError
-    from specquant_cli.family import manifest as fm
+    from specquant_cli.family import journal as fm
 
     real = fm._roll_forward
 
@@ -433,7 +435,7 @@ def test_journal_of_other_commits_is_finished(fam, build):
 
 
 def test_previous_manifest_is_kept_until_the_next_commit(fam):
-    from specquant_cli.family.manifest import commit
+    from specquant_cli.family.journal import commit
 
     m0 = (fam / MANIFEST).read_bytes()
     m1 = {**manifest_of(fam), "notes": {"n": 1}}
@@ -492,7 +494,7 @@ def test_lock_held_by_a_live_process_is_a_clear_error(fam, holder, journal):
 
 def test_commit_is_refused_while_another_process_holds_the_lock(fam, holder):
     from specquant_cli.errors import FamilyError
-    from specquant_cli.family.manifest import commit
+    from specquant_cli.family.journal import commit
 
     before = snapshot(fam)
     with pytest.raises(FamilyError, match="is being updated by another process"):
@@ -592,7 +594,8 @@ def test_read_only_folder(fam, read_only_lock, journal):
 
 def test_lock_is_reentrant_in_a_thread_and_exclusive_across_threads(fam):
     from specquant_cli.errors import FamilyError
-    from specquant_cli.family.manifest import commit, family_lock
+    from specquant_cli.family.journal import commit
+    from specquant_cli.family.lock import family_lock
 
     seen = []
 
@@ -648,7 +651,7 @@ def test_deeply_nested_manifest_is_one_line(fam):
 
 def test_read_existing_names_a_duplicate_key(fam):
     """What quantize reads to keep the old manifest's keys: a duplicate makes it unusable (set aside, rebuilt)."""
-    from specquant_cli.family.manifest import read_existing
+    from specquant_cli.family.manifest_file import read_existing
 
     write_text_manifest(fam, '{"a": 1, "a": 2}')
     assert read_existing(fam) == (None, "duplicate key 'a'")
@@ -689,25 +692,25 @@ def test_recipe_roles_are_not_type_checked(fam):
 
 
 def test_file_type_read_is_a_header_read(demo):
-    from specquant_cli.family import ggufio
+    from specquant_cli.family import gguf_read, gguf_walk
 
     for name, want in ((F16, "F16"), (Q4, "Q4_K_M"), (Q8, "Q8_0")):
-        ggufio._file_types.clear()
+        gguf_walk._file_types.clear()
         t0 = time.perf_counter()
-        assert ggufio.read_file_type(demo / name) == want == ggufio.read_info(demo / name).file_type
+        assert gguf_walk.read_file_type(demo / name) == want == gguf_read.read_info(demo / name).file_type
         assert time.perf_counter() - t0 < 0.5  # ~10 ms measured on a busy 2-core machine (read_info: ~100 ms)
 
 
 @pytest.mark.parametrize("cut", [30, 200, 20000, 800000])
 def test_file_type_of_a_truncated_header_is_one_line(tmp_path, demo, cut):
     from specquant_cli.errors import ModelFileError
-    from specquant_cli.family import ggufio
+    from specquant_cli.family import gguf_walk
 
     p = tmp_path / "cut.gguf"
     with open(demo / Q8, "rb") as f:
         p.write_bytes(f.read(cut))
     with pytest.raises(ModelFileError, match="truncated or corrupt GGUF"):
-        ggufio.read_file_type(p)
+        gguf_walk.read_file_type(p)
 
 
 # -- 5. thread counts: 0 (every core) or 1 .. 4 x logical cores, from any source ---------------------------------
@@ -779,3 +782,23 @@ def test_too_many_threads_option_is_refused(tmp_path, name, args, _, value):
 def test_threads_option_at_the_limit_is_accepted(tmp_path, name, args, needle):
     args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
     assert_clean_error(cli([*args, "--threads", str(LIMIT)]), 1, needle)  # past the option, refused later
+
+
+# -- a model truncated in place ----------------------------------------------------------------------------------------
+def test_a_model_truncated_in_place_is_an_error_not_sigbus(family_dir, tmp_path):
+    import shutil
+
+    fam = tmp_path / "fam"
+    fam.mkdir()
+    for p in family_dir.iterdir():
+        if p.name == "manifest.json" or p.name.endswith("-f16.gguf"):
+            shutil.copy(p, fam / p.name)  # a copy: the truncation must not reach the shared family's file
+        elif p.suffix == ".gguf":
+            os.link(p, fam / p.name)
+    f16 = fam / "smollm2-135m-f16.gguf"
+    with open(f16, "r+b") as f:
+        f.truncate(f16.stat().st_size // 2)
+    p = subprocess.run([sys.executable, "-m", "specquant_cli", "chat", "--family", str(fam), "--policy", "parent",
+                        "--max-tokens", "2", "hi"], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**os.environ, "SPECQUANT_MMAP": "1"})
+    assert p.returncode == 1 and "truncated" in p.stderr and "Traceback" not in p.stderr, (p.returncode, p.stderr)

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
 from hostile_util import assert_clean_error, cli, copy_family, snapshot, tiny_llama
+
+from conftest import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +239,9 @@ def test_loading_a_broken_parent_is_refused(fam, tmp_path, command, breaker, nee
 # -- the commit journal: a killed commit is finished, an invalid journal ignored --------------------
 def test_interrupted_commit_is_rolled_forward_on_load(fam):
     """State a SIGKILL between the journal and the last rename leaves: the next load finishes it."""
-    from specquant_cli.family.manifest import JOURNAL, Family
+    from specquant_cli.family.manifest import Family
     from specquant_cli.fsutil import fingerprint, sha256_file
+    from specquant_cli.names import JOURNAL
 
     new = fam / ".fam-q8_0.gguf.999999.0123abcd.part"  # pid 999999: a process that is gone
     new.write_bytes((fam / "fam-q4_0.gguf").read_bytes())  # some other valid content
@@ -258,7 +262,7 @@ def test_interrupted_commit_is_rolled_forward_on_load(fam):
 ], ids=["garbage", "tmp-escape", "final-escape", "no-manifest"])
 def test_invalid_journal_is_ignored_not_obeyed(fam, tmp_path, journal):
     """Set aside as .unusable (its content kept for a look), the family untouched."""
-    from specquant_cli.family.manifest import JOURNAL
+    from specquant_cli.names import JOURNAL
 
     (fam / JOURNAL).write_text(journal)
     before = {k: v for k, v in snapshot(fam).items() if k != JOURNAL}
@@ -268,3 +272,31 @@ def test_invalid_journal_is_ignored_not_obeyed(fam, tmp_path, journal):
     aside = after.pop(JOURNAL + ".unusable")
     assert after == before
     assert aside[2] == hashlib.sha256(journal.encode()).hexdigest()
+
+
+# -- a family without its parent is named as such ----------------------------------------------------------------------
+@pytest.mark.parametrize("types", ["q8_0", "q4_0,q8_0"])
+def test_a_family_without_its_parent_is_named_as_such(family_dir, tmp_path, types):
+    out = tmp_path / "fam"
+    r = run_cli(["quantize", str(family_dir / "smollm2-135m-f16.gguf"), "--out", str(out), "--types", types])
+    assert r.exit_code == 0 and "no policy runs" in r.stderr, r.stderr
+    assert "without its parent (an f16 or bf16 rendering" in r.stderr, r.stderr
+    d = run_cli(["doctor", "--family", str(out)])
+    assert_clean_error(d, 1, "parent: missing: the family has no parent")
+    r = run_cli(["quantize", str(family_dir / "smollm2-135m-f16.gguf"), "--out", str(out), "--types", "f16"])
+    assert r.exit_code == 0 and "without its parent" not in r.stderr  # added a type at a time
+    assert run_cli(["doctor", "--family", str(out)]).exit_code == 0
+
+
+def test_doctor_says_a_family_lacks_its_parent(family_dir, tmp_path):
+    fam = tmp_path / "fam"
+    fam.mkdir()
+    m = json.loads((family_dir / "manifest.json").read_text())
+    rec = m["variants"].pop("f16")
+    m["variants"].pop("bf16")
+    m["roles"] = {k: v for k, v in m.get("roles", {}).items() if k not in ("f16", "bf16")}
+    for v in m["variants"].values():
+        os.link(family_dir / v["path"], fam / v["path"])
+    (fam / "manifest.json").write_text(json.dumps(m))
+    r = run_cli(["doctor", "--family", str(fam)])
+    assert r.exit_code == 1 and "no parent" in r.stderr, (r.stderr, rec["path"])

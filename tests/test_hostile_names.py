@@ -199,7 +199,7 @@ def test_a_header_claiming_fewer_bits_than_the_weights_hold_is_refused(made, her
 def test_an_honest_q4_k_m_whose_rows_fall_back_to_more_bits_is_taken(made, here, tmp_path):
     """llama.cpp writes a Q4_K_M's tensors whose rows fit no Q4_K block as Q5_0 (and Q6_K's as Q8_0): still the
     file's type."""
-    from specquant_cli.family.ggufio import read_info
+    from specquant_cli.family.gguf_read import read_info
 
     info = read_info(made["narrow_q4km"])
     assert info.file_type == "Q4_K_M" and "Q4_K" not in info.tensor_types  # every block fell back

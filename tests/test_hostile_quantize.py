@@ -368,12 +368,12 @@ def test_failed_second_build_leaves_the_old_family(fam, bases, monkeypatch):
 
 @pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_interrupt_at_commit_leaves_old_family_and_no_temps(fam, bases, monkeypatch):
-    from specquant_cli.family import manifest
+    from specquant_cli.family import journal
 
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(manifest, "commit", boom)
+    monkeypatch.setattr(journal, "commit", boom)
     before = snapshot(fam)
     r = quantize(bases[1], fam)
     assert r.exit_code == 130 and r.stderr.strip().endswith("interrupted"), r.stderr
@@ -435,7 +435,7 @@ def test_pull_builds_checks_and_rebuilds_a_damaged_family(fake_registry, tmp_pat
 
 @pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
 def test_interrupted_pull_leaves_the_old_family(fake_registry, tmp_path, monkeypatch):
-    from specquant_cli.family import manifest
+    from specquant_cli.family import journal
 
     assert cli(["pull", "tiny", "--models-dir", tmp_path, "--threads", "1"]).exit_code == 0
     fam = tmp_path / "tiny"
@@ -444,7 +444,7 @@ def test_interrupted_pull_leaves_the_old_family(fake_registry, tmp_path, monkeyp
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(manifest, "commit", boom)
+    monkeypatch.setattr(journal, "commit", boom)
     r = cli(["pull", "tiny", "--models-dir", tmp_path, "--force", "--threads", "1"])
     assert r.exit_code == 130 and r.stderr.strip().endswith("interrupted")
     after = snapshot(fam)

@@ -17,7 +17,7 @@ from test_serve import ServerProc
 from test_serve_sizing import _family_copy
 
 from specquant_cli.errors import ResourceError
-from specquant_cli.serving.app import BODY_TIMEOUT_S, MAX_JSON_DEPTH
+from specquant_cli.serving.body import BODY_TIMEOUT_S, MAX_JSON_DEPTH
 
 MAX_BODY = 256 * 1024  # room for 100,000 nested brackets, far below 10 MB
 CTX = 640  # room for an answer longer than the 512 tokens serve once gave a request without max_tokens

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from specquant_cli.family import grade
+from specquant_cli.family.activations import CALIBRATION_SET, chunks_of
 from specquant_cli.family.grade import GradePlan, TensorCost
-from specquant_cli.family.imatrix import CALIBRATION_SET, MIN_ROWS, chunks_of, weight_name
+from specquant_cli.family.imatrix import MIN_ROWS, weight_name
 from specquant_cli.routing.auto import MODEL_MARGIN
 
 from conftest import run_cli

@@ -419,7 +419,8 @@ def session(family_dir):
 def _answer(session, policy, sp, prediction=None):
     """The answer, and every record's spans in `answer.spans`."""
     answer, records = session.ask_messages([{"role": "user", "content": ASK}], policy=policy, sampling=sp,
-                                           max_tokens=N, prediction=prediction, scope=uuid.uuid4().hex)
+                                           max_tokens=N, prediction=session.prediction_tokens(prediction),
+                                           scope=uuid.uuid4().hex)
     answer.spans = [span for rec in records for span in rec.spans]
     return answer
 
@@ -451,7 +452,8 @@ def test_a_prediction_never_changes_a_sampled_answer(session, models):
         texts = []
         for p in (None, "".join(samples[0]), WRONG):
             answer, records = session.ask_messages([{"role": "user", "content": STORY}], policy="auto", sampling=sp,
-                                                   max_tokens=SAMPLED, prediction=p, scope=uuid.uuid4().hex)
+                                                   max_tokens=SAMPLED, prediction=session.prediction_tokens(p),
+                                                   scope=uuid.uuid4().hex)
             texts.append("".join(r.text for r in records))
         for text in texts:
             assert sampled_verdict(text, samples) == "identical"

@@ -13,10 +13,11 @@ import pytest
 from specquant_cli.backend.llama import Context
 from specquant_cli.decoding.batch import Batcher, SeqView
 from specquant_cli.decoding.engine import Engine
-from specquant_cli.runtime.prefixes import ENTRY_OVERHEAD, MIN_REUSE, SUFFIX, PrefixSharing, PromptCache
+from specquant_cli.runtime.prefixes import MIN_REUSE, PrefixSharing
+from specquant_cli.runtime.prompt_cache import ENTRY_OVERHEAD, SUFFIX, PromptCache
 
 N = 12  # greedy tokens compared
-KEY = b"k" * 32  # the MAC key of the folder tests (a server uses runtime.prefixes.user_key)
+KEY = b"k" * 32  # the MAC key of the folder tests (a server uses runtime.prompt_cache.user_key)
 
 
 def state(n: int, fill: int = 7) -> tuple[ctypes.Array, int]:
@@ -152,7 +153,7 @@ def test_a_state_restored_from_ram_or_disk_gives_the_cold_prefills_tokens(shared
     ctx, batcher, views = shared
     for v in views:
         v.reset()
-    from specquant_cli.runtime.prefixes import cache_tag
+    from specquant_cli.runtime.prompt_cache import cache_tag
 
     cache = PromptCache(256 << 20, "real", tmp_path, key=KEY)
     sharing = PrefixSharing(views, cache, batcher.ops, batcher.away)
@@ -225,7 +226,7 @@ def test_a_sequence_prefills_in_chunks_while_another_decodes(models):
 
 
 def test_the_cache_tag_names_the_weights_build_and_context(family):
-    from specquant_cli.runtime.prefixes import cache_tag
+    from specquant_cli.runtime.prompt_cache import cache_tag
 
     assert cache_tag(family, 1024) == cache_tag(family, 1024) != cache_tag(family, 2048)
 
@@ -260,7 +261,7 @@ def test_a_file_made_with_another_key_or_a_hostile_header_is_refused(tmp_path):
     import hashlib
     import hmac
 
-    from specquant_cli.runtime.prefixes import MAGIC
+    from specquant_cli.runtime.prompt_cache import MAGIC
 
     PromptCache(1 << 20, "t", tmp_path, key=b"x" * 32).put([1] * 20, state(64))  # another user's key
     for i, head in enumerate([b'{"tag": "t", "tokens": 1e999, "state": 64}', b"[" * 100000, b'"t"',

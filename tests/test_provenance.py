@@ -9,7 +9,7 @@ from specquant_cli.decoding.gamma import FixedGamma
 from specquant_cli.decoding.stream import _split, stream_generate
 from specquant_cli.decoding.suffix import SuffixDrafter
 from specquant_cli.names import SOURCES
-from specquant_cli.serving.schemas import ChunkMaker, specquant_info
+from specquant_cli.serving.replies import ChunkMaker, specquant_info
 
 from fakes import FakeContext, FakeModel, ScriptedDrafter, peaked
 

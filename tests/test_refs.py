@@ -128,7 +128,7 @@ def test_draft_model_from_ollama_adds_a_sibling_and_list_found_lists_every_store
 # -- fast: tiny models and hand-made stores ------------------------------------------------------------------------
 
 def test_a_split_model_is_fetched_whole_and_merged(stores, tmp_path):
-    from specquant_cli.family.ggufio import read_info
+    from specquant_cli.family.gguf_read import read_info
 
     src = tiny_llama(tmp_path / "tiny-f16.gguf", layers=2)
     parts = split_gguf(src, tmp_path, "tiny-F16", count=3)

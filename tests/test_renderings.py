@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hostile_util import assert_clean_error, cli, tiny_llama
 
-from specquant_cli.family import ggufio
+from specquant_cli.family import gguf_read, gguf_write
 from specquant_cli.family.manifest import Family
 from specquant_cli.family.roles import PARENT_ROLE
 from specquant_cli.system import renderings
@@ -28,7 +28,7 @@ def _values(path: Path) -> dict[str, np.ndarray]:
 def _bf16_base(tmp_path: Path, name: str = "base-bf16.gguf") -> Path:
     src = tiny_llama(tmp_path / "tiny-f16.gguf", layers=2)
     dst = tmp_path / name
-    ggufio.dequantize_to_float(src, dst, "test base", "bf16")
+    gguf_write.dequantize_to_float(src, dst, "test base", "bf16")
     return dst
 
 
@@ -46,10 +46,10 @@ def _poison(path: Path, value_bits: int = 0x33D6) -> str:
 # -- the numbers ------------------------------------------------------------------------------------------
 def test_values_on_both_grids_are_exact_in_both_formats():
     x = np.array([0.1, -3.14159, 1e-7, 6e-5, 1e-4, 300.7, 0.0, -2.5e-6], dtype=np.float32)
-    bits = ggufio.on_both_grids(x)
-    v = ggufio.bf16_values(bits)
+    bits = gguf_write.on_both_grids(x)
+    v = gguf_write.bf16_values(bits)
     assert np.array_equal(v.astype(np.float16).astype(np.float32), v)  # exact in F16
-    assert np.array_equal(ggufio.bf16_bits(v), bits)  # and in BF16
+    assert np.array_equal(gguf_write.bf16_bits(v), bits)  # and in BF16
     assert np.allclose(v, x, rtol=2 ** -8, atol=2 ** -24)
 
 
@@ -57,14 +57,14 @@ def test_bf16_rounding_is_to_nearest_even():
     one = np.float32(1.0)
     ulp = np.float32(2 ** -7)
     x = np.array([one + ulp / 2, one + 3 * ulp / 2, one + ulp / 4], dtype=np.float32)
-    assert list(ggufio.bf16_values(ggufio.bf16_bits(x))) == [1.0, 1.0 + 2 * ulp, 1.0]
+    assert list(gguf_write.bf16_values(gguf_write.bf16_bits(x))) == [1.0, 1.0 + 2 * ulp, 1.0]
 
 
 def test_the_f16_rendering_of_a_bf16_file_holds_the_same_weights(tmp_path):
     base = _bf16_base(tmp_path)
     out = tmp_path / "f16.gguf"
-    ggufio.f16_of_bf16(base, out, "test")
-    info = ggufio.read_info(out)
+    gguf_write.f16_of_bf16(base, out, "test")
+    info = gguf_read.read_info(out)
     assert info.weight_type == "F16" and info.file_type == "F16" and info.provenance == "test"
     a, b = _values(base), _values(out)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
@@ -73,8 +73,8 @@ def test_the_f16_rendering_of_a_bf16_file_holds_the_same_weights(tmp_path):
 def test_a_weight_f16_cannot_hold_makes_no_f16_rendering(tmp_path):
     base = _bf16_base(tmp_path)
     name = _poison(base)
-    with pytest.raises(ggufio.NotExact, match=rf"tensor {name}: 1 of \d+ weights are outside F16's range"):
-        ggufio.f16_of_bf16(base, tmp_path / "f16.gguf", "test")
+    with pytest.raises(gguf_write.NotExact, match=rf"tensor {name}: 1 of \d+ weights are outside F16's range"):
+        gguf_write.f16_of_bf16(base, tmp_path / "f16.gguf", "test")
 
 
 # -- quantize ---------------------------------------------------------------------------------------------
@@ -88,7 +88,7 @@ def test_quantize_keeps_a_bf16_base_and_adds_its_exact_f16_rendering(tmp_path):
     assert fam.variant("bf16")["sha256"] == fam.manifest["base"]["sha256"]  # the base itself, placed
     a, b = _values(fam.path("bf16")), _values(fam.path("f16"))
     assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert ggufio.read_info(fam.path("q4")).weight_type != "BF16"
+    assert gguf_read.read_info(fam.path("q4")).weight_type != "BF16"
     assert fam.check(hashes=True, deep=True) == {r: None for r in fam.stored_roles()}
 
 

@@ -19,9 +19,10 @@ import time
 import httpx
 import openai
 import pytest
+from hostile_util import assert_clean_error
 from test_serve import KEY, ServerProc
 
-from conftest import REPO
+from conftest import REPO, run_cli
 
 RUN_TIMEOUT_S = 300
 PROMPT = "The capital of France is"
@@ -248,3 +249,173 @@ def _wait_for(cond, timeout: float) -> None:
     while not cond():
         assert time.monotonic() < end, "timed out"
         time.sleep(0.2)
+
+
+# -- RPC never hangs, and always hears Ctrl-C --------------------------------------------------------------------------
+@pytest.mark.parametrize("value,needle", [("0", "above 0"), ("-1", "at least 0"), ("nan", "finite"),
+                                          ("inf", "finite"), ("1e30", "at most 86400"), ("-inf", "finite"),
+                                          ("abc", "a number"), ("1e-400", "above 0")])
+def test_bad_rpc_timeouts_are_one_line(value, needle):
+    r = run_cli(["chat", "--family", "/nonexistent", "hi"], env={"SPECQUANT_RPC_TIMEOUT": value})
+    assert_clean_error(r, 1, f"SPECQUANT_RPC_TIMEOUT={value}", needle)
+    r = run_cli(["chat", "--family", "/nonexistent", "--rpc-timeout", value, "hi"])
+    assert r.exit_code == 2 and "--rpc-timeout" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("value", ["inf", "1e30", "nan", "0", "-1"])
+def test_bad_worker_memory_is_a_usage_error(value):
+    assert_clean_error(run_cli(["worker", "--mem", value]), 2, "--mem")
+
+
+@pytest.mark.parametrize("spec", ["127.0.0.1:{p},localhost:{p}", "localhost:{p},127.0.0.1:{p}",
+                                  "127.0.0.1:{p}, 127.0.0.1:{p},localhost:{p}"])
+def test_one_worker_named_twice_is_refused(spec):
+    value = spec.format(p=50999)
+    assert_clean_error(run_cli(["chat", "--family", "/nonexistent", "--rpc", value, "hi"]), 2, "name one worker")
+    assert_clean_error(run_cli(["chat", "--family", "/nonexistent", "hi"], env={"SPECQUANT_RPC": value}), 1,
+                       "SPECQUANT_RPC=", "name one worker")
+
+
+def test_an_empty_rpc_option_is_refused_not_run_locally():
+    assert_clean_error(run_cli(["chat", "--family", "/nonexistent", "--rpc", "", "hi"]), 2, "no worker given")
+
+
+def _worker(*extra: str, host: str = "127.0.0.1"):
+    return Worker("--host", host, *extra)
+
+
+def test_a_worker_binds_a_name(family_dir):
+    w = _worker(host="localhost")
+    try:
+        assert any("serving localhost:" in ln for ln in w.lines)
+        r = subprocess.run([sys.executable, "-m", "specquant_cli", "doctor", "--family", str(family_dir), "--json",
+                            "--rpc", f"localhost:{w.port}"], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["rpc"]["workers"][0]["endpoint"] == f"localhost:{w.port}"
+    finally:
+        w.stop()
+
+
+def test_a_silent_connection_does_not_lock_a_worker(family_dir):
+    from specquant_cli.system import rpc
+    from specquant_cli.system.rpc_front import QUIET_S
+
+    w = _worker()
+    try:
+        idle = socket.create_connection(("127.0.0.1", w.port))  # says nothing
+        time.sleep(QUIET_S + 1.5)
+        assert rpc.probe(w.endpoint).devices  # the worker answers a parent again
+        assert any("sent no command" in ln for ln in w.lines)
+        assert idle.recv(1) == b""  # closed by the worker
+        idle.close()
+    finally:
+        w.stop()
+
+
+def test_the_front_drops_the_silent_and_relays_the_rest():
+    from specquant_cli.system.rpc_front import Front
+
+    backend = socket.socket()
+    backend.bind(("127.0.0.1", 0))
+    backend.listen(4)
+    front_sock = socket.socket()
+    front_sock.bind(("127.0.0.1", 0))
+    front_sock.listen(4)
+    said: list[str] = []
+    front = Front(front_sock, backend.getsockname()[1], said.append, quiet_s=0.3)
+    threading.Thread(target=front.serve, daemon=True).start()
+    try:
+        silent = socket.create_connection(front_sock.getsockname())
+        silent.settimeout(5)
+        assert silent.recv(1) == b"" and "sent no command" in said[0]
+        stingy = socket.create_connection(front_sock.getsockname())  # a byte, then nothing: no header
+        stingy.sendall(b"\x0e")
+        stingy.settimeout(5)
+        assert stingy.recv(1) == b"" and len(said) == 2
+        talker = socket.create_connection(front_sock.getsockname())
+        header = b"\x0e" + (4).to_bytes(8, "little")
+        talker.sendall(header[:3])
+        talker.sendall(header[3:] + b"ping")
+        conn, _ = backend.accept()
+        conn.settimeout(5)
+        got = b""
+        while len(got) < len(header) + 4:
+            got += conn.recv(64)
+        assert got == header + b"ping"
+        conn.sendall(b"pong")
+        talker.settimeout(5)
+        assert talker.recv(4) == b"pong"
+        for s in (silent, stingy, talker, conn):
+            s.close()
+    finally:
+        front.stop.set()
+        backend.close()
+
+
+def _stalled_run(family_dir, args: list[str], sig: int):
+    """A command on a parent over a worker that stops answering mid-answer; `sig` then. (rc, seconds, stderr)."""
+    w = _worker()
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "specquant_cli", *args, "--family", str(family_dir),
+                              "--rpc", w.endpoint, "--threads", "1"], cwd=REPO, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = p.stdout.read(8)  # the answer is being generated
+        assert first, p.stderr.read()
+        w.proc.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        p.send_signal(sig)
+        try:
+            p.wait(30)
+        finally:
+            w.proc.send_signal(signal.SIGCONT)
+        return p.returncode, time.monotonic() - t0, p.stderr.read()
+    finally:
+        w.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stalled_worker_does_not_hold_off_a_signal(family_dir, sig):
+    rc, seconds, err = _stalled_run(family_dir, ["chat", "--policy", "parent", "--max-tokens", "3000", COUNTING], sig)
+    assert seconds < 5 and rc in (130, 143), (rc, seconds, err)
+    assert "Traceback" not in err and "lost" not in err
+
+
+def test_serve_stopping_on_a_stalled_worker_answers_503_and_exits(family_dir):
+    """Every open request gets the documented 503 in OpenAI's shape at once, and the process exits within its
+    grace period, though its generation waits on a worker that stopped answering."""
+
+    from specquant_cli.serving.server import RPC_RELEASE_S, SHUTDOWN_GRACE_S
+
+    w = _worker()
+    srv = ServerProc(["--family", str(family_dir), "--policy", "parent", "--policies", "parent", "--parallel", "1",
+                      "--rpc", w.endpoint])
+    got: dict = {}
+    try:
+        client = srv.client(key="none")
+
+        def long_request():
+            try:
+                client.completions.create(model="m", prompt=COUNTING, max_tokens=3000, temperature=0)
+            except openai.APIStatusError as e:
+                got["error"] = e
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(4)  # the answer is being generated
+        w.proc.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        answered = time.monotonic() - t0
+        srv.proc.wait(SHUTDOWN_GRACE_S + RPC_RELEASE_S + 15)
+        took = time.monotonic() - t0
+    finally:
+        w.proc.send_signal(signal.SIGCONT)
+        srv.stop()
+        w.stop()
+    e = got["error"]
+    assert e.status_code == 503 and e.body["code"] == "shutting_down" and answered < 5, (answered, e)
+    assert srv.proc.returncode == 0 and took < SHUTDOWN_GRACE_S + RPC_RELEASE_S + 10, (took, srv.log())
+    assert "Traceback" not in srv.log()

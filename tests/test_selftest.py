@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -141,3 +142,53 @@ def test_a_self_test_that_could_not_run_warns_and_goes_on(monkeypatch):
     said: list[str] = []
     selftest.ensure(status=said.append)
     assert said[-1].startswith("warning: the llama.cpp self-test could not run")
+
+
+# -- a verdict means the CPU: a child killed from outside condemns nothing, a fault condemns the build -----------------
+def _selftest_cli(args, fault, tmp_path, timeout=300):
+    from specquant_cli.backend import selftest
+
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), **{selftest.FAULT_ENV: fault})
+    return subprocess.run([sys.executable, "-m", "specquant_cli", *args], capture_output=True, text=True, env=env,
+                          cwd=REPO, stdin=subprocess.DEVNULL, timeout=timeout)
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1"])
+def test_a_child_killed_from_outside_condemns_nothing(family_dir, tmp_path, sig):
+    p = _selftest_cli(["chat", "--family", str(family_dir), "--policy", "parent", "--max-tokens", "3", "hi"],
+                      f"q4_0:{sig}", tmp_path)
+    assert p.returncode == 0, p.stderr  # warned, and went on
+    assert "could not run" in p.stderr and "specquant doctor --selftest" in p.stderr and p.stdout.strip()
+    assert not (tmp_path / "cache" / "specquant" / "selftest.json").exists()  # nothing cached
+
+
+@pytest.mark.slow  # a child process or a statistical run: seconds (the quick loop stays under a minute)
+@pytest.mark.parametrize("sig", ["SIGILL", "SIGBUS", "SIGFPE"])
+def test_a_fault_condemns_the_build_and_names_the_retest(tmp_path, sig):
+    p = _selftest_cli(["doctor", "--selftest"], f"q8_0:{sig}", tmp_path)
+    assert p.returncode == 1
+    line = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")][-1]
+    assert sig in line and "specquant doctor --selftest" in line
+    assert json.loads((tmp_path / "cache" / "specquant" / "selftest.json").read_text())["entries"]
+
+
+def test_a_fault_then_a_kill_still_condemns_the_build(monkeypatch):
+    from specquant_cli.backend import selftest
+
+    # BF16 faults, then Q4_0 is killed (each child: types passed, return code, last stderr line, GPUs it decoded on)
+    children = iter([(["f16"], -signal.SIGILL, "", None), ([], -signal.SIGKILL, "", None)])
+    monkeypatch.setattr(selftest, "_run_child", lambda todo, deadline: next(children))
+    r = selftest.run(store=False)
+    assert not r.ok and r.definitive and "SIGILL" in r.error and "BF16" in r.error
+    assert r.types == {"f16": "ok", "bf16": "died of SIGILL", "q4_0": "killed by SIGKILL"}
+
+
+def test_an_old_verdict_of_a_kill_is_not_trusted(tmp_path, monkeypatch):
+    from specquant_cli.backend import selftest
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = selftest.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"schema": 1, "entries": {selftest.key(): {
+        "ok": False, "types": {"q4_0": "died of SIGKILL"}, "error": "this llama.cpp build cannot run"}}}))
+    assert selftest.cached() is None

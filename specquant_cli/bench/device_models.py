@@ -31,7 +31,7 @@ def cut(family_dir: Path, out_dir: Path) -> Path:
     import llama_cpp
 
     from specquant_cli.backend.llama import llama_log_to
-    from specquant_cli.family.ggufio import cut_layers
+    from specquant_cli.family.gguf_write import cut_layers
     from specquant_cli.family.manifest import Family
 
     fam = Family.load(family_dir)
@@ -67,7 +67,7 @@ def make_family(base: Path, out_dir: Path, types: str, threads: int) -> Path:
 
 def make_cut_family(work: Path, cut_file: Path, threads: int) -> dict:
     """The cut model's family: its F16 rendering (the parent) and q8_0 and q4_k_m drafts."""
-    from specquant_cli.family.ggufio import dequantize_to_float
+    from specquant_cli.family.gguf_write import dequantize_to_float
 
     parent = work / "smollm2-cut-f16.gguf"
     parent.unlink(missing_ok=True)

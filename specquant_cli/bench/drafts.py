@@ -90,6 +90,7 @@ def perplexity(model, tokens: list[int], threads: int) -> float:
 def make_missing(family, roles: Sequence[str], threads: int, say: Callable[[str], None]):
     """Quantize the recipes among `roles` the family lacks (collecting activation statistics first when one needs
     them); the family as it is after."""
+    from specquant_cli.family import activations
     from specquant_cli.family import imatrix as im
     from specquant_cli.family.manifest import Family
     from specquant_cli.family.recipes import add_variants
@@ -100,7 +101,8 @@ def make_missing(family, roles: Sequence[str], threads: int, say: Callable[[str]
         return family
     if any(r.imatrix or r.grade for r in want) and not (family.root / im.IMATRIX_FILE).is_file():
         say(f"collecting activation statistics of {family.name} (built-in calibration set)")
-        im.calibrate_family(family, threads=threads or None, progress=lambda d, t: say(f"statistics: {d}/{t} tokens"))
+        activations.calibrate_family(family, threads=threads or None,
+                                     progress=lambda d, t: say(f"statistics: {d}/{t} tokens"))
         family = Family.load(family.root)
     add_variants(family.root, want, threads=threads, say=say)
     return Family.load(family.root).bind(family.parent_rendering, family.parent_why)

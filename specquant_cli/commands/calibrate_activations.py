@@ -30,7 +30,7 @@ def calibrate_activations(
 ) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from specquant_cli.family.imatrix import calibrate_family
+    from specquant_cli.family.activations import calibrate_family
 
     fam = load_family(cfg.runtime.family)
     threads = cfg.runtime.threads

@@ -82,7 +82,7 @@ def _quantize(b, family: Optional[str], out: Optional[Path], d, draft_role: str,
 
         _check_draft_role(draft_role)
         check_sibling(base, draft_model)
-    from specquant_cli.family.ggufio import read_info
+    from specquant_cli.family.gguf_read import read_info
     from specquant_cli.family.quantize import default_types, parse_types, quantize_family
     from specquant_cli.family.recipes import add_variants, split_types
 

@@ -20,9 +20,10 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function and sche
 class FormError(InputError):
     """A structured-output field that cannot be honoured; `param` names it."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str, code: str = "invalid_value"):
         super().__init__(message)
         self.param = param
+        self.code = code  # the API error's code (OpenAI's: invalid_value, context_length_exceeded)
 
 
 @dataclass

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import FamilyError, InputError, ModelFileError
-from specquant_cli.family.ggufio import dequantize_to_float, read_info
+from specquant_cli.family.gguf_read import read_info
+from specquant_cli.family.gguf_write import dequantize_to_float
 from specquant_cli.family.manifest import Family
 from specquant_cli.family.roles import BUILTIN_ROLES, FLOAT_RENDERINGS
 from specquant_cli.fsutil import atomic_path, check_folder_writable, input_problem, remove_stale, sha256_file
@@ -265,7 +266,7 @@ def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
          progress: Optional[Progress] = None, warn: Optional[Callable[[str], None]] = None) -> tuple[Family, bool]:
     """Fetch, build the BF16 base, its exact F16 rendering and the family's draft roles. Returns (family,
     built_now)."""
-    from specquant_cli.family.manifest import recover
+    from specquant_cli.family.journal import recover
     from specquant_cli.family.quantize import parse_types, quantize_family
 
     spec = spec_for(name)
@@ -305,7 +306,7 @@ def pull(name: str, models_dir: Path, *, force: bool = False, threads: int = 0,
 def _other_family(root: Path, name: str) -> Optional[str]:
     """The name of the family in `root` when it is not the demo family `name` (a family of the user's own file, say),
     else None: a folder that holds none, or one whose manifest cannot be read, is this family's to make."""
-    from specquant_cli.family.manifest import read_existing
+    from specquant_cli.family.manifest_file import read_existing
 
     old, _ = read_existing(root)
     recorded = old.get("family") if old else None
@@ -329,8 +330,8 @@ def pull_file(path: Path, models_dir: Path, *, force: bool = False, threads: int
     built_now). `name`: the family's (default: the file's, without .gguf and a -f16 or -bf16 ending); `source`:
     where the file came from, recorded as the base's `source` (a model reference; default: the file's path);
     `provenance`: what it is, as the manifest tells it."""
-    from specquant_cli.family.ggufio import read_info
-    from specquant_cli.family.manifest import read_existing
+    from specquant_cli.family.gguf_read import read_info
+    from specquant_cli.family.manifest_file import read_existing
     from specquant_cli.family.quantize import default_types, quantize_family
 
     path = Path(path)

@@ -45,7 +45,8 @@ def family_name(text: str) -> str:
 
 def gguf_type(path: Path) -> str:
     """A GGUF's type as its header names it (general.file_type, else its main weights' type); '?' when unreadable."""
-    from specquant_cli.family.ggufio import read_file_type, read_info
+    from specquant_cli.family.gguf_read import read_info
+    from specquant_cli.family.gguf_walk import read_file_type
 
     try:
         return read_file_type(path) or read_info(path).weight_type or "?"

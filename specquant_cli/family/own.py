@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specquant_cli.errors import InputError, ModelFileError
-from specquant_cli.family.ggufio import GGUFInfo, claimed_bits, split_problem, type_problem, weight_bits
+from specquant_cli.family.gguf_read import split_problem
+from specquant_cli.family.gguf_types import GGUFInfo, claimed_bits, type_problem, weight_bits
 from specquant_cli.family.roles import OWN, RENDERINGS
 from specquant_cli.family.variants import QUANT_TYPES, QuantType
 
@@ -26,7 +27,7 @@ LOSSLESS_NOTE = ("the parent is the quantized file {file} ({type}) as given, nev
 
 
 def check_base(info: GGUFInfo, types: Sequence[QuantType], allow_requantize: bool) -> None:
-    """A base is one file (not a part of a split model) whose header's type is what its weights are (ggufio.
+    """A base is one file (not a part of a split model) whose header's type is what its weights are (gguf_types.
     type_problem: a type is recorded, and a parent described, only once the weights bear it out); a quantized one is
     of a type specquant takes as a parent, and drafts are quantized from it (`types` other than its own) only as asked
     (`--allow-requantize`)."""
@@ -53,7 +54,7 @@ def check_base(info: GGUFInfo, types: Sequence[QuantType], allow_requantize: boo
 
 def parent_bits(info: GGUFInfo) -> float:
     """Bits per weight of a quantized parent's type, as the draft types are priced (variants.QUANT_TYPES; a type
-    they do not name: what its main tensor type stores, ggufio.claimed_bits)."""
+    they do not name: what its main tensor type stores, gguf_types.claimed_bits)."""
     kind = parent_type(info)
     q = QUANT_TYPES.get(kind.lower())
     return q.bpw if q is not None else (claimed_bits(kind) or weight_bits(info) or 0.0)

@@ -1,120 +1,49 @@
-"""Base GGUF -> quantized variants through llama.cpp's own quantizer (`llama_model_quantize`).
-
-Why one file of ~540 lines: one update of a family, from the plan of its steps (keep, build, derive, place) to the
-commit, and the three makers of the temp files it stages (quantize_one, derive_f16, stage_copy), which share one
-hand-over rule (a finished temp file passes to the caller's list with Ctrl-C held back, so an interrupt never orphans
-one); split, that rule would be kept in two places."""
+"""Base GGUF -> quantized variants through llama.cpp's own quantizer (`llama_model_quantize`): one update of a
+family, from the plan of its steps (keep, build, derive, place) to the commit of the files staged for it
+(family.staging)."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Optional
 
-from specquant_cli.errors import InputError, LlamaError, ModelFileError, ResourceError
-from specquant_cli.family import manifest as fam
-from specquant_cli.family.ggufio import GGUFInfo, NotExact, f16_of_bf16, read_info
+from specquant_cli.errors import InputError, ModelFileError, ResourceError
+from specquant_cli.family import journal
+from specquant_cli.family.gguf_read import read_info
+from specquant_cli.family.gguf_types import GGUFInfo
+from specquant_cli.family.lock import family_lock
+from specquant_cli.family.manifest_file import WarnFn, read_existing, silent
 from specquant_cli.family.own import LOSSLESS_NOTE, OWN_TYPE, check_base, own_record, parent_type, requantize_types
 from specquant_cli.family.roles import OWN, RENDERINGS
+from specquant_cli.family.staging import (
+    DEFAULT_PROVENANCE,
+    LOG,
+    MAX_THREADS,
+    ProgressFn,
+    derive_f16,
+    open_log,
+    quantize_one,
+    stage_copy,
+)
 from specquant_cli.family.variants import QUANT_TYPES, QuantType, variant_record  # noqa: F401  (QuantType: named here too)
 from specquant_cli.fsutil import (
     check_folder_writable,
     commit_temp,
-    create_temp,
     fit_name,
-    fsync_file,
-    open_append_nofollow,
     remove_stale,
     same_file,
     sha256_file,
-    temp_name,
 )
-from specquant_cli.interrupts import deferred
-from specquant_cli.names import CALIBRATION
+from specquant_cli.names import CALIBRATION, JOURNAL, MANIFEST
 from specquant_cli.settings import cores
 
-ProgressFn = Callable[[str, int, int], None]  # (type name, bytes written, expected bytes)
-WarnFn = Callable[[str], None]
-LOG = "quantize.log"
 UNUSABLE_MANIFEST = "manifest.json.unusable"
-DEFAULT_PROVENANCE = "user-supplied base; origin not recorded"
-MAX_THREADS = 1024
-
-
-_LOGS_STARTED: set[str] = set()  # the folders whose quantize.log this process has started afresh already
-
-
-def start_log(folder: Path) -> Path:
-    """`quantize.log` in `folder`, holding this run only: the first time a process writes there, the log is
-    replaced by a new empty file (a log grows by ~100 KB a run; appended to forever, it once filled the last
-    space on a disk). Replaced by rename, never truncated in place, so a hard link to the old log keeps its
-    content. A symbolic link at quantize.log is refused, never followed or replaced."""
-    path = Path(folder) / LOG
-    if path.is_symlink():
-        raise InputError(f"quantize log {path} is a symbolic link; refusing to write through it (remove it)")
-    key = os.path.realpath(folder)
-    if key in _LOGS_STARTED:
-        return path
-    if os.path.lexists(path) and not path.is_dir():  # a folder there: open_append_nofollow names the problem
-        tmp = None
-        try:
-            with deferred():  # no interrupt between the temp file's creation and `tmp` naming it
-                fd, tmp = create_temp(path)
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError as e:
-            raise InputError(f"quantize log {path}: cannot start it afresh ({e.strerror or e})") from None
-        finally:
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)
-    _LOGS_STARTED.add(key)
-    return path
-
-
-def open_log(folder: Path) -> int:
-    """An fd appending to this run's `quantize.log` in `folder` (start_log)."""
-    return open_append_nofollow(start_log(folder), "quantize log")
-
-
-def check_output(tmp: Path, label: str, log: Path) -> int:
-    """A quantizer's finished temp file: not empty, a readable GGUF, on disk (fsynced). Returns its size."""
-    size = tmp.stat().st_size
-    if size == 0:
-        raise LlamaError(f"llama_model_quantize wrote nothing for {label}; see {log}")
-    try:
-        read_info(tmp)
-    except ModelFileError as e:
-        raise LlamaError(f"llama_model_quantize wrote an unreadable {label} file ({e})") from None
-    fsync_file(tmp)
-    return size
-
-
-def run_child(cmd: list[str], log_fd, watched: Path, tick) -> int:
-    """Run a quantizer child process (its own session, so a terminal's Ctrl-C reaches us, not it), calling
-    tick(bytes written to `watched`) while it runs; an interruption kills it before its file is removed."""
-    proc = None
-    try:
-        # Signals wait while the child starts: an interrupt inside Popen would leave a child we cannot name,
-        # which could (re)create its output file after we removed it. Delivered right after, with proc set.
-        with deferred():
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
-                                    start_new_session=True)
-        while True:
-            try:
-                return proc.wait(timeout=0.2)
-            except subprocess.TimeoutExpired:
-                tick(watched.stat().st_size if watched.exists() else 0)
-    finally:
-        if proc is not None and proc.poll() is None:  # interrupted: stop the quantizer before its file goes
-            proc.kill()
-            proc.wait()
 
 
 def parse_types(spec: str | Sequence[str]) -> list[QuantType]:
@@ -143,82 +72,12 @@ def check_disk(out_dir: Path, needed: int) -> None:
                             f"{free / 2**30:.2f} GiB free")
 
 
-def quantize_one(src: Path, dst: Path, q: QuantType, expected: int, threads: int, allow_requantize: bool,
-                 log_fd: int, progress: Optional[ProgressFn], keep: Optional[Callable[[Path], None]] = None) -> Path:
-    """Quantize `src` into a new temp file beside `dst` in a child process (quantize_worker), report its
-    growing size, check the result, and return the finished temp file; the caller commits it. `keep` is handed
-    the finished temp file with Ctrl-C held back: from then on it is the caller's to remove (no signal can land
-    between this function's clean-up and the caller's).
-
-    Ctrl-C or SIGTERM kills the child and removes the temp file; nothing under `dst` is touched here."""
-    done, tmp = False, None
-    try:  # from the temp file's creation on: a Ctrl-C right after it must still remove it
-        with deferred():  # and none may land between the file's creation and `tmp` naming it
-            fd, tmp = create_temp(dst)
-            os.close(fd)
-        cmd = [sys.executable, "-m", "specquant_cli.family.quantize_worker", os.fsdecode(src), os.fsdecode(tmp),
-               q.ftype_const, str(threads), "1" if allow_requantize else "0", str(os.getpid())]
-        rc = run_child(cmd, log_fd, tmp, lambda n: progress and progress(q.name, n, expected))
-        if rc != 0:
-            raise LlamaError(f"llama_model_quantize failed for {q.name} (exit code {rc}); see {dst.parent / LOG}")
-        size = check_output(tmp, q.name, dst.parent / LOG)
-        if progress:
-            progress(q.name, size, size)
-        _hand_over(tmp, keep)
-        done = True
-        return tmp
-    finally:
-        if not done and tmp is not None:
-            tmp.unlink(missing_ok=True)
-
-
-def _hand_over(tmp: Path, keep: Optional[Callable[[Path], None]]) -> None:
-    """Give the finished temp file `tmp` to `keep` (the caller's list of files to commit or remove) with Ctrl-C
-    held back, so that a signal never lands after the maker's clean-up was done with and before the caller's
-    starts: the file would be left behind, named by nobody."""
-    if keep is not None:
-        with deferred():
-            keep(tmp)
-
-
-def stage_copy(src: Path, dst: Path, keep: Optional[Callable[[Path], None]] = None) -> Path:
-    """A new temp file beside `dst` with `src`'s content: a hard link when possible, else a copy. A symbolic link
-    given as `src` is resolved first: the family gets the file it names (link(2) would link the link itself, which
-    points elsewhere, or nowhere once the folder moves). `keep` as in quantize_one."""
-    src = Path(os.path.realpath(src))
-    for _ in range(64):
-        tmp = dst.with_name(temp_name(dst.name))
-        try:
-            with deferred():  # the link and its hand-over as one step: a Ctrl-C between them would orphan it
-                os.link(src, tmp)  # exclusive: fails on any existing name, never follows one
-                if keep is not None:
-                    keep(tmp)
-            return tmp
-        except FileExistsError:
-            continue
-        except OSError:
-            break
-    tmp, done = None, False
-    try:
-        with deferred():
-            fd, tmp = create_temp(dst)
-        with open(fd, "wb") as out, open(src, "rb") as f:
-            shutil.copyfileobj(f, out, 16 << 20)
-        fsync_file(tmp)
-        _hand_over(tmp, keep)
-        done = True
-    finally:
-        if not done and tmp is not None:
-            tmp.unlink(missing_ok=True)
-    return tmp
-
-
 @dataclass
 class Step:
     q: QuantType
     dst: Path  # final path in the family folder
     # keep (an existing file checked and adopted) | build (quantize) | place (link/copy the base in) |
-    # derive (the F16 rendering of a BF16 base, made only when exact: ggufio.f16_of_bf16)
+    # derive (the F16 rendering of a BF16 base, made only when exact: gguf_write.f16_of_bf16)
     action: str
 
 
@@ -293,7 +152,7 @@ def plan_steps(base: Path, info: GGUFInfo, out_dir: Path, stem: str, types: Sequ
     rendering, or derive the F16 rendering of a BF16 base."""
     base_inside = base.resolve().parent == out_dir.resolve()
     own = base_rendering(info)
-    for name in (fam.MANIFEST, LOG, fam.JOURNAL):
+    for name in (MANIFEST, LOG, JOURNAL):
         if os.path.lexists(out_dir / name) and same_file(out_dir / name, base):
             raise InputError(f"the base {base} is the family's own {name}; refusing to overwrite an input")
     steps = []
@@ -407,36 +266,6 @@ def _set_aside(mpath: Path, why: str, warn: WarnFn) -> None:
     warn(f"{mpath}: unusable ({why}); kept as {UNUSABLE_MANIFEST}, a new one is written")
 
 
-def derive_f16(base: Path, dst: Path, if_exact: bool, warn: WarnFn, progress: Optional[ProgressFn],
-               keep: Optional[Callable[[Path], None]] = None) -> Optional[Path]:
-    """The F16 rendering of the BF16 `base` as a finished temp file beside `dst` (ggufio.f16_of_bf16), or None
-    when it would not be exact and `if_exact` (warned); InputError when it would not be exact otherwise. `keep`
-    as in quantize_one."""
-    done, tmp = False, None
-    try:
-        with deferred():
-            fd, tmp = create_temp(dst)
-            os.close(fd)
-        info = read_info(base)
-        prov = (f"F16 rendering of the BF16 base {base.name}, exact (every weight checked: the same values); "
-                f"{info.provenance or DEFAULT_PROVENANCE}")
-        try:
-            f16_of_bf16(base, tmp, prov, (lambda d, n: progress("f16", d, n)) if progress else None)
-        except NotExact as e:
-            if not if_exact:
-                raise InputError(f"--types f16: {e}; an F16 rendering would round them, so none is made "
-                                 "(the BF16 base is the parent: leave f16 out)") from None
-            warn(f"no F16 rendering: {e}; the BF16 base is the family's only parent rendering")
-            return None
-        fsync_file(tmp)
-        _hand_over(tmp, keep)
-        done = True
-        return tmp
-    finally:
-        if not done and tmp is not None:
-            tmp.unlink(missing_ok=True)
-
-
 def _stager(staged: list, step: Step) -> Callable[[Path], None]:
     """The `keep` of quantize_one, derive_f16 and stage_copy that files a finished temp under its step."""
     return lambda tmp: staged.append((tmp, step))
@@ -450,7 +279,7 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
     """Make every requested variant of `base` in `out_dir` and write `manifest.json`. Returns the manifest.
 
     Nothing in `out_dir` changes until every new file is complete: new variants are written under temp
-    names, then committed together with the manifest (family.manifest.commit). Existing files are
+    names, then committed together with the manifest (family.journal.commit). Existing files are
     checked (GGUF parse, architecture, parameter count, type, vocabulary) before they are adopted. Warnings
     go to `warn` (none by default; the command edge prints them); progress to `progress`.
 
@@ -462,7 +291,7 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
     manifest no longer names are removed (remove_dropped). A folder holding a family of another base is rebuilt,
     unless `replace_other` is False: InputError then, and nothing changes. `source`: where the base came from (a
     model reference, a path), recorded in the manifest's base."""
-    warn = warn or fam.silent
+    warn = warn or silent
     base = Path(base)
     info = read_info(base)
     check_base(info, types, allow_requantize)
@@ -474,10 +303,10 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
     if not 0 <= threads <= MAX_THREADS:
         raise InputError(f"--threads {threads}: must be between 0 (all cores) and {MAX_THREADS}")
     out_dir = check_folder_writable(Path(out_dir), out_label, create=True)
-    with fam.family_lock(out_dir):  # one update of a folder at a time; FamilyError while another runs
-        fam.recover(out_dir, warn)
+    with family_lock(out_dir):  # one update of a folder at a time; FamilyError while another runs
+        journal.recover(out_dir, warn)
         remove_stale(out_dir)
-        old, unusable = fam.read_existing(out_dir)
+        old, unusable = read_existing(out_dir)
         base_sha = sha256_file(base)
         old_base = old.get("base") if old and isinstance(old.get("base"), dict) else {}
         same_base = old is not None and old_base.get("sha256") == base_sha
@@ -530,9 +359,9 @@ def quantize_family(base: Path, out_dir: Path, types: Sequence[QuantType], *, th
             manifest = build_manifest(old, same_base, stem, info, base_file, base_sha, base.stat().st_size, variants,
                                       provenance, notes, warn, source)
             if unusable:
-                _set_aside(out_dir / fam.MANIFEST, unusable, warn)
-            fam.commit(out_dir, [(t, s.dst) for t, s in staged], manifest)
-            removed = fam.remove_dropped(out_dir, old, manifest, spare=base, warn=warn)
+                _set_aside(out_dir / MANIFEST, unusable, warn)
+            journal.commit(out_dir, [(t, s.dst) for t, s in staged], manifest)
+            removed = journal.remove_dropped(out_dir, old, manifest, spare=base, warn=warn)
             if removed:
                 warn(f"removed {', '.join(removed)} from {out_dir}: the files of variants the manifest no longer names")
             if rebuild_all:  # another base's measured costs (a quantized parent's are its file's): measured again

@@ -75,7 +75,7 @@ def _run_worker(spec: dict, dst_tmp: Path, expected: int, label: str, log_fd: in
                 progress: Optional[ProgressFn]) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, encoding="utf-8") as f:
         json.dump(spec, f)
-    from specquant_cli.family.quantize import run_child
+    from specquant_cli.family.staging import run_child
 
     cmd = [sys.executable, "-m", "specquant_cli.family.recipe_worker", f.name, str(os.getpid())]
     try:
@@ -105,20 +105,23 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
     """Quantize each recipe from the family's F16 base and commit it as a role of the family (with the grading
     plan beside it, `<family>-<role>.plan.json`). A role whose file, recipe and imatrix match is kept. A line
     per role made goes to `say`, warnings (an interrupted update finished) to `warn`; none by default."""
+    from specquant_cli.family import activations, journal
     from specquant_cli.family import imatrix as im
-    from specquant_cli.family import manifest as fam
-    from specquant_cli.family.ggufio import read_info
-    from specquant_cli.family.quantize import open_log
+    from specquant_cli.family.gguf_read import read_info
+    from specquant_cli.family.manifest import Family
+    from specquant_cli.family.manifest_file import read_existing
+    from specquant_cli.family.staging import open_log
     from specquant_cli.fsutil import create_temp, remove_stale, same_file, sha256_file
+    from specquant_cli.names import MANIFEST
 
     say = say or (lambda _t: None)
     root = Path(out_dir)
-    if not (root / fam.MANIFEST).is_file():
+    if not (root / MANIFEST).is_file():
         raise FamilyError(f"no family at {root}: make one first (specquant quantize BASE --out {root} "
                           "--types q4_0,q8_0,f16), then add draft recipes to it")
-    fam.recover(root, warn)
+    journal.recover(root, warn)
     remove_stale(root)
-    family = fam.Family.load(root, warn)
+    family = Family.load(root, warn)
     src = family.path(PARENT_ROLE)
     if base is not None and not same_file(Path(base), src):
         base_sha = family.manifest.get("base", {}).get("sha256")
@@ -130,7 +133,7 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
         raise ModelFileError(f"{src}: the family's f16 role is not a float model")
     imatrix_file, imatrix_rec, importance = None, None, None
     if any(r.imatrix or r.grade is not None for r in recipes):
-        imatrix_file, imatrix_rec = im.family_imatrix(family, imatrix_path)
+        imatrix_file, imatrix_rec = activations.family_imatrix(family, imatrix_path)
         imatrix_rec = {**imatrix_rec, "sha256": imatrix_rec.get("sha256") or sha256_file(imatrix_file)}
     threads = threads or cores()
     stem = family.name
@@ -168,7 +171,7 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
                 _run_worker(spec, tmp, expected, recipe.role, log_fd, progress)
             finally:
                 os.close(log_fd)
-            from specquant_cli.family.quantize import check_output
+            from specquant_cli.family.staging import check_output
 
             size = check_output(tmp, recipe.role, root / LOG)
             if progress:
@@ -188,7 +191,7 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
                 with open(pfd, "w", encoding="utf-8") as f:
                     json.dump({"role": recipe.role, "recipe": recipe.to_dict(), **d}, f, indent=1)
                 renames.append((ptmp, plan_dst))
-            manifest, why = fam.read_existing(root)  # the latest manifest: others may have changed it meanwhile
+            manifest, why = read_existing(root)  # the latest manifest: others may have changed it meanwhile
             if manifest is None:
                 raise FamilyError(f"{root}: the manifest went away while quantizing ({why or 'missing'})")
             manifest.setdefault("variants", {})[recipe.role] = rec
@@ -196,8 +199,8 @@ def add_variants(out_dir: Path, recipes: Sequence[Recipe], *, base: Optional[Pat
             notes = manifest.get("notes") if isinstance(manifest.get("notes"), dict) else {}
             notes[recipe.role] = recipe.help + "; a draft role (spec-" + recipe.role + ")"
             manifest["notes"] = notes
-            fam.commit(root, renames, manifest)
-            family = fam.Family.load(root, warn)
+            journal.commit(root, renames, manifest)
+            family = Family.load(root, warn)
             say(f"{recipe.role}: {rec['size_bytes'] / 2**20:.1f} MiB, {rec['bits_per_weight']:.3f} bits per weight "
                 f"({rec['tensor_bits_per_weight']:.3f} in tensor data) -> {dst.name}")
         finally:

@@ -110,7 +110,7 @@ def draft_candidates(parent: Path, stores: ModelStores, warn: Callable[[str], No
     """The GGUFs found (`found`) that could draft for the parent file `parent`: whole files (not a split model's
     part) of no more parameters than it, speaking its vocabulary token for token (family.vocab), not the parent's
     own file nor a copy of it; smallest first. family.siblings checks them again when one is added."""
-    from specquant_cli.family.ggufio import read_info
+    from specquant_cli.family.gguf_read import read_info
     from specquant_cli.family.vocab import read_vocab, vocab_difference
     from specquant_cli.fsutil import same_file
 

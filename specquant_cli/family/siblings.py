@@ -6,7 +6,7 @@ text and type, the special tokens; the first difference is named), is no bigger 
 parent's own file (nor any variant's). Any GGUF type is accepted (its header's type borne out by its weights): a draft
 never decides what is said. Its file is copied (hard-linked where it can be; a symbolic link given is the file it
 names, never stored as a link) into the family folder and committed with the new manifest through the family's
-journal (family.manifest.commit), so a refused or interrupted addition leaves the family as it was. Its record carries
+journal (family.journal.commit), so a refused or interrupted addition leaves the family as it was. Its record carries
 a `sibling` object — its architecture, parameter count, file type, hyperparameters, where it came from — and the rest
 of specquant reads it through `Family.siblings()` and `Family.hparams_of(role)` (which reads its KV cache's
 hyperparameters from the file's own header, not from the record). A sibling never imports the
@@ -22,15 +22,18 @@ from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import InputError
-from specquant_cli.family import manifest as fam
-from specquant_cli.family.ggufio import GGUFInfo, read_info, split_problem, type_problem
+from specquant_cli.family import journal
+from specquant_cli.family.gguf_read import read_info, split_problem
+from specquant_cli.family.gguf_types import GGUFInfo, type_problem
+from specquant_cli.family.lock import family_lock
+from specquant_cli.family.manifest import Family
+from specquant_cli.family.manifest_file import WarnFn, silent
 from specquant_cli.family.roles import PARENT_ROLE, RESERVED, ROLE_RE, ROLE_RULE, builtin_draft_roles
 from specquant_cli.family.variants import QUANT_TYPES, variant_record
 from specquant_cli.family.vocab import read_vocab, vocab_difference
 from specquant_cli.fsutil import fit_name, remove_stale, same_file, sha256_file
 
 DEFAULT_SIBLING_ROLE = "sibling"
-WarnFn = fam.WarnFn
 
 
 def check_role_name(role: str) -> str:
@@ -42,7 +45,7 @@ def check_role_name(role: str) -> str:
     return role
 
 
-def check_sibling_role(role: str, family: fam.Family) -> str:
+def check_sibling_role(role: str, family: Family) -> str:
     """check_role_name, and not one of the family's variants of its own base (a sibling of that name is replaced
     only with --force)."""
     check_role_name(role)
@@ -89,17 +92,18 @@ def add_sibling(root: Path, draft: Path, role: str = DEFAULT_SIBLING_ROLE, *, so
     folder and committed with the new manifest in one journaled step. Returns (manifest, added now); a sibling of
     that role with the same content is kept as it is (False). `source`/`provenance`: where the file came from, as
     the manifest and the README tell it (default: the path it was added from)."""
-    from specquant_cli.family.quantize import check_disk, stage_copy
+    from specquant_cli.family.quantize import check_disk
+    from specquant_cli.family.staging import stage_copy
 
-    warn = warn or fam.silent
+    warn = warn or silent
     root = Path(root)
-    with fam.family_lock(root):
-        family = fam.Family.load(root, warn)
+    with family_lock(root):
+        family = Family.load(root, warn)
         remove_stale(root)
         check_sibling_role(role, family)
         old = family.manifest["variants"].get(role)
         dst = root / sibling_file_name(role, draft)
-        taken = fam.names_in_use(family.manifest, but=role)
+        taken = journal.names_in_use(family.manifest, but=role)
         if dst.name in taken:
             raise InputError(f"--draft-model {draft}: it would be copied to {dst.name}, a file the family already "
                              "uses; rename it or pick another --draft-role")
@@ -127,7 +131,7 @@ def add_sibling(root: Path, draft: Path, role: str = DEFAULT_SIBLING_ROLE, *, so
             manifest = dict(family.manifest)
             manifest["variants"] = {**family.manifest["variants"], role: record}
             manifest["roles"] = {**(family.manifest.get("roles") or {}), role: record["type"]}
-            fam.commit(root, [(tmp, dst)], manifest)
+            journal.commit(root, [(tmp, dst)], manifest)
         except InputError as e:  # the checks name the file given, not our temp copy
             raise InputError(str(e).replace(str(held[0]) if held else "\0", str(draft))) from None
         finally:
@@ -141,7 +145,7 @@ def _remove_replaced(root: Path, old: Optional[dict], manifest: dict, warn: Warn
     """The file of the sibling record `old` that the new manifest replaced: removed only when it is a plain GGUF
     file name of this folder that nothing in the new manifest uses (a record is not trusted to name it)."""
     name = old.get("path") if isinstance(old, dict) else None
-    if not isinstance(name, str) or "/" in name or not name.endswith(".gguf") or name in fam.names_in_use(manifest):
+    if not isinstance(name, str) or "/" in name or not name.endswith(".gguf") or name in journal.names_in_use(manifest):
         return
     path = root / name
     try:

@@ -316,7 +316,7 @@ def holder(root: Path, store: Optional[Path], cwd: Optional[Path]) -> Optional[K
 def made_from(root: Path) -> str:
     """The base file the family at `root` was made from, as its manifest records it ("another base" when it does
     not say)."""
-    from specquant_cli.family.manifest import read_existing
+    from specquant_cli.family.manifest_file import read_existing
 
     old, _ = read_existing(Path(root))
     base = old.get("base") if old else None

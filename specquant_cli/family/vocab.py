@@ -2,7 +2,7 @@
 model) and compared with another's (`vocab_difference`): a sibling draft model is accepted only when it speaks
 exactly the parent's vocabulary, and the first token that differs is named when it does not.
 
-Read from the header with ggufio's bounds-checked reads over a memory map (a hostile file cannot make it read past
+Read from the header with gguf_read's bounds-checked reads over a memory map (a hostile file cannot make it read past
 the end); 150k tokens take a fraction of a second."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from specquant_cli.errors import ModelFileError
-from specquant_cli.family.ggufio import read_metadata
+from specquant_cli.family.gguf_read import read_metadata
 
 TOKENS = "tokenizer.ggml.tokens"
 TYPES = "tokenizer.ggml.token_type"

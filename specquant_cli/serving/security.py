@@ -11,7 +11,7 @@ resolves to 127.0.0.1) the page can even read the answer. So, before anything el
   --cors-origin (`*`: any); only those get CORS headers and an answer to a preflight.
 - A POST body must be declared `application/json`.
 
-Each refusal is a 4xx in OpenAI's error shape (serving.app.Guard)."""
+Each refusal is a 4xx in OpenAI's error shape (serving.guard.Guard)."""
 
 from __future__ import annotations
 

@@ -103,8 +103,9 @@ def memory_policies(policies) -> list[str]:
 def cache_floor_mib(family) -> float:
     """The smallest prompt cache that holds one entry: CACHE_RAM_MIN_MIB, or the parent's state of the shortest
     prefix the cache keeps (runtime.prefixes.MIN_REUSE tokens) where that is more."""
-    from specquant_cli.family.ggufio import kv_cache_bytes
-    from specquant_cli.runtime.prefixes import ENTRY_OVERHEAD, MIN_REUSE
+    from specquant_cli.family.gguf_walk import kv_cache_bytes
+    from specquant_cli.runtime.prefixes import MIN_REUSE
+    from specquant_cli.runtime.prompt_cache import ENTRY_OVERHEAD
     from specquant_cli.settings import CACHE_RAM_MIN_MIB
 
     try:
@@ -249,9 +250,9 @@ def build_service(family, cfg: Settings, opts: ServeOptions, report=None, facts=
     for p in opts.policies:
         check_policy(p)
     if opts.cache_dir is not None:
-        from specquant_cli.family.manifest import MANIFEST
         from specquant_cli.fsutil import check_folder_writable
-        from specquant_cli.runtime.prefixes import private_folder
+        from specquant_cli.names import MANIFEST
+        from specquant_cli.runtime.prompt_cache import private_folder
 
         if (opts.cache_dir / MANIFEST).exists():
             raise InputError(f"--cache-dir: {opts.cache_dir} is a family folder; name a folder of its own")
@@ -284,7 +285,8 @@ def share_prefixes(runtime, slots, opts: ServeOptions, report=None):
     """The parent sequences' prefix sharing and prompt cache (runtime.prefixes), attached to every parent sequence
     the server decodes in."""
     from specquant_cli.family.roles import PARENT_ROLE
-    from specquant_cli.runtime.prefixes import PrefixSharing, PromptCache, cache_tag, user_key
+    from specquant_cli.runtime.prefixes import PrefixSharing
+    from specquant_cli.runtime.prompt_cache import PromptCache, cache_tag, user_key
 
     cache = None
     if opts.prompt_cache and opts.cache_ram > 0:

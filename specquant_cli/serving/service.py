@@ -18,7 +18,7 @@ import threading
 from typing import Optional
 
 from specquant_cli.errors import InputError, SpecquantError
-from specquant_cli.family.manifest import MANIFEST
+from specquant_cli.names import MANIFEST
 from specquant_cli.serving.schemas import ApiError, GenerationParams
 from specquant_cli.serving.security import OriginPolicy
 from specquant_cli.serving.slots import LockedRouter
@@ -162,15 +162,16 @@ class Service:
                             f"{n_ctx - n_prompt} tokens can be asked", params.max_tokens_param)
         return params.max_tokens
 
-    def prediction_tokens(self, text: Optional[str]) -> Optional[list[int]]:
-        """A request's prediction (its text) as the token ids it drafts from, None without one (or an empty one); a 400
-        naming it when it is longer than the context, before the request is queued (and a stream begins)."""
-        if not text:
-            return None
+    @staticmethod
+    def predicted(session, text: Optional[str]) -> list[int]:
+        """A request's prediction (its text) as the token ids `session`'s engine drafts from, [] without one; a 400
+        naming it when it is longer than the context (before any record, so a stream never begins)."""
+        from specquant_cli.decoding.forms import FormError
+
         try:
-            return self.session.prediction_tokens(text)
+            return session.prediction_tokens(text)
         except InputError as e:
-            raise ApiError(400, str(e), param="prediction.content", code="context_length_exceeded") from None
+            raise FormError(str(e), "prediction.content", code="context_length_exceeded") from None
 
     def policy_for(self, requested: Optional[str], param: str) -> str:
         if requested is None:
@@ -195,11 +196,12 @@ class Service:
         if self.prefixes is not None and self.prefixes.enter(slot, params.scope):
             session.runtime.pool.reset_caches()  # the drafts' sequences too: nothing of another scope stays
         limit = self.answer_room(params)
+        predicted = self.predicted(session, params.prediction)
         answer, records = session.ask_messages(params.messages or [], policy=params.policy,
                                                sampling=params.sampling, max_tokens=limit, stop=params.stop,
                                                raw_prompt=params.prompt, scope=params.scope, grammar=params.grammar,
                                                tools=params.tools, top_logprobs=params.top_logprobs,
-                                               prediction=params.prediction)
+                                               prediction=predicted)
         return answer, records if self.slots is None else self.slots.member(records)
 
 

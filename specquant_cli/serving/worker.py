@@ -257,7 +257,7 @@ class EngineWorker:
         except Cancelled:
             pass  # answered below, as a cancel between records is
         except FormError as e:  # e.g. max_tokens does not fit beside the prompt (Service.answer_room)
-            job.put("error", ApiError(400, str(e), param=e.param, code="invalid_value"))
+            job.put("error", ApiError(400, str(e), param=e.param, code=e.code))
             return "failed"
         except InputError as e:  # e.g. a message the chat template cannot keep as text: the prompt's
             job.put("error", ApiError(400, str(e), param=job.params.prompt_param, code="invalid_request"))

@@ -252,7 +252,7 @@ def _time_imports(ctx_for, parent: str, drafts: list[str], prompts: list[list[in
     whose context refuses the parent's state at any length is left out. The longest prompt first (the
     parent holds it after the deep calls: no second prefill). Every context is reset after. One tick per
     prompt."""
-    from specquant_cli.backend.llama import LlamaError
+    from specquant_cli.errors import LlamaError
 
     pctx = ctx_for(parent)
     seconds: dict[str, dict[int, float]] = {role: {} for role in drafts}

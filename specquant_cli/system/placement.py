@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from specquant_cli.errors import ResourceError
-from specquant_cli.family.ggufio import kv_cache_bytes
+from specquant_cli.family.gguf_walk import kv_cache_bytes
 from specquant_cli.family.roles import PARENT_ROLE, STANDARD_DRAFTS, draft_roles
 from specquant_cli.system.hardware import Facts
 

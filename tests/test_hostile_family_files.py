@@ -52,7 +52,7 @@ def made(tmp_path_factory) -> dict[str, Path]:
     and a family of the base named `demo` (the name a pull gives), in a folder of another name."""
     from specquant_cli.family.quantize import parse_types, quantize_family
 
-    d = tmp_path_factory.mktemp("round6")
+    d = tmp_path_factory.mktemp("family-files")
     base = tiny_llama(d / "base-f16.gguf", **SHAPE)
     other = tiny_llama(d / "other-f16.gguf", seed=7, **SHAPE)
     quantize_family(base, d / "q", parse_types("q8_0,q4_0"), threads=1)
@@ -241,7 +241,8 @@ def _within(fn, fifo: Path, seconds: float = 10.0):
 def _input_readers():
     from specquant_cli.bench import datasets
     from specquant_cli.decoding.grammar import schema_file
-    from specquant_cli.family.imatrix import calibration_tokens, check_option_imatrix
+    from specquant_cli.family.activations import calibration_tokens
+    from specquant_cli.family.imatrix import check_option_imatrix
 
     return {"--json-schema": (lambda p: schema_file(p, None), "not a JSON Schema file"),
             "--dataset": (lambda p: datasets.load([p]), "not a dataset file"),
@@ -364,7 +365,8 @@ def test_requantizing_never_gives_a_draft_of_the_parents_bits(mine, tmp_path):
 
 
 def test_a_siblings_hyperparameters_come_from_its_file(fam, made):
-    from specquant_cli.family.ggufio import kv_cache_bytes, read_info
+    from specquant_cli.family.gguf_read import read_info
+    from specquant_cli.family.gguf_walk import kv_cache_bytes
     from specquant_cli.family.manifest import Family
     from specquant_cli.system.placement import need
 
