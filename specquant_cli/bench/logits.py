@@ -124,11 +124,15 @@ def _batches(ctx, prompt: list[int], text: list[int], ref: list[np.ndarray], say
                              f"{', '.join(map(str, OFFSETS))} (a verification)")
     seq = prompt + text
     base = len(prompt) - 1  # the batch opens with the token before the first answer position
+    held = ctx.export_state(0)  # the reference's cache: each batch starts from it, not from the last batch's rows
     for n in BATCHES:
         say(f"verify batch of {n}")
         for off in OFFSETS:
             if off + n > len(text):
                 continue
+            if not ctx.import_state(held, seq[:base + len(text)]):
+                c.error = "llama.cpp refused the reference's saved state"
+                return c
             ctx.rewind(base + off)
             ctx.decode(seq[base + off:base + off + n], logits="all")
             for j in range(n):
@@ -141,7 +145,7 @@ def _restored(ctx, fresh, prompt: list[int], text: list[int], ref: list[np.ndarr
     answer one token at a time."""
     say("restored prefix")
     c = Case("restored prefix", "after the prompt's state was saved and loaded (the prompt cache, RAM or disk)")
-    ctx.rewind(len(prompt) - 1)
+    ctx.rewind(len(prompt) - 1)  # positions before the answer: the reference's prefill, no batch wrote them
     state = ctx.export_state(0)
     other = fresh()
     try:
