@@ -43,7 +43,7 @@ def test_top_level_help_groups_commands_with_chat_and_serve_first():
     bench = reference.help_text(["bench"])
     assert re.findall(r"╭─ (\w+) ", bench) == ["Options", "Measure", "Diagnostics"]
     diag = bench.split("╭─ Diagnostics")[1]
-    assert set(re.findall(r"│ (\w+)", diag)) == {"calls", "engine", "prefill", "batch", "rpc"}
+    assert set(re.findall(r"│ (\w+)", diag)) == {"calls", "logits", "engine", "prefill", "batch", "rpc"}
 
 
 def test_a_command_names_each_of_its_variables_once_in_its_epilog_not_on_its_options():

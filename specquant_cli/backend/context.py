@@ -16,7 +16,9 @@ import numpy as np
 from specquant_cli.backend.model import Model
 from specquant_cli.errors import InputError, LlamaError, check_cancelled
 from specquant_cli.names import LogitsMode
-from specquant_cli.settings import cores
+from specquant_cli.settings import cores, deterministic
+
+UNIFORM_SPARE = 1  # a cell beyond n_ctx for a lone token's companion (uniform), in a context of one sequence
 
 
 def check_threads(n: int, label: str) -> int:
@@ -122,19 +124,25 @@ class Context(PrefixCache):
     seq = 0  # the sequence `tokens` describes (a PrefixCache's; serving.slots' views are other sequences)
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 512, n_threads: Optional[int] = None,
-                 n_seq_max: int = 1, eval_callback=None, kv_unified: bool = False):
+                 n_seq_max: int = 1, eval_callback=None, kv_unified: bool = False, uniform: Optional[bool] = None):
         """eval_callback: a `ggml_backend_sched_eval_callback` (llama.cpp's `cb_eval`), called for graph nodes
-        as they are computed (family.imatrix collects activation statistics through it); kept alive here."""
+        as they are computed (family.imatrix collects activation statistics through it); kept alive here.
+        `uniform`: every row computed the same way whatever the call (the deterministic mode; None: the process's
+        mode, `deterministic`)."""
         import llama_cpp
 
         self.model = model
         threads = check_threads(n_threads, "threads") if n_threads else cores()
+        self.uniform = deterministic() if uniform is None else uniform
+        # the sequence a lone token's companion is decoded in (uniform): one past the caller's, in one shared cache
+        self._scratch = n_seq_max if self.uniform else None
+        self._last_out = -1
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_ctx
-        params.n_batch = n_batch
-        params.n_ubatch = n_batch
-        params.n_seq_max = n_seq_max
-        params.kv_unified = kv_unified
+        params.n_ctx = n_ctx + (UNIFORM_SPARE if self.uniform and not kv_unified else 0)
+        params.n_batch = max(2, n_batch)
+        params.n_ubatch = max(2, n_batch)
+        params.n_seq_max = n_seq_max + (1 if self.uniform else 0)
+        params.kv_unified = kv_unified or self.uniform
         params.n_threads = threads
         params.n_threads_batch = threads
         params.no_perf = True
@@ -155,7 +163,7 @@ class Context(PrefixCache):
         self.n_ctx = llama_cpp.llama_n_ctx(self._ptr)
         self.n_batch = n_batch
         self._mem = llama_cpp.llama_get_memory(self._ptr)
-        self._batch = llama_cpp.llama_batch_init(n_batch, 0, n_seq_max)
+        self._batch = llama_cpp.llama_batch_init(max(2, n_batch), 0, n_seq_max + (1 if self.uniform else 0))
         self.n_seq_max = n_seq_max
         self.tokens: list[int] = []  # sequence 0, position by position
         self._n_vocab = model.n_vocab
@@ -185,8 +193,17 @@ class Context(PrefixCache):
             for k, s in enumerate(seq_ids[i]):
                 b.seq_id[i][k] = s
             b.logits[i] = i in want
-        b.n_tokens = n
+        self._last_out = max(want) if want else -1
+        lone = self.uniform and n == 1
+        if lone:  # a companion in the scratch sequence: every call computes two rows or more
+            b.token[1], b.pos[1], b.n_seq_id[1], b.logits[1] = tokens[0], 0, 1, bool(want)
+            b.seq_id[1][0] = self._scratch
+        elif self.uniform and len(want) == 1:  # and keeps two rows or none through the last layer
+            b.logits[0 if n - 1 in want else n - 1] = True
+        b.n_tokens = n + lone
         rc = llama_cpp.llama_decode(self._ptr, b)
+        if lone:
+            llama_cpp.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
         if rc != 0:
             raise LlamaError(f"llama_decode failed with code {rc} at position {positions[0]}")
 
@@ -218,6 +235,8 @@ class Context(PrefixCache):
         """Logits row for token i of the last decoded batch (a view: valid until the next decode)."""
         import llama_cpp
 
+        if i == -1 and self._last_out >= 0:  # the caller's last row, not a companion's (uniform)
+            i = self._last_out
         ptr = llama_cpp.llama_get_logits_ith(self._ptr, i)
         if not ptr:
             raise LlamaError(f"no logits at batch index {i}")

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
                      "other threads: bit-equal or not, the largest difference, the same top token.")(logits)
 
 
-@with_settings("runtime.family", "runtime.parent", "runtime.threads")
+@with_settings("runtime.family", "runtime.parent", "runtime.threads", "runtime.deterministic")
 def logits(
     roles: Optional[str] = typer.Option(None, "--roles", help="Comma-separated roles", metavar="NAMES",
                                         show_default="the parent"),

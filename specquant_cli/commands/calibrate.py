@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
 
 
 @with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.mmap", "runtime.rpc",
-               "runtime.rpc_timeout")
+               "runtime.rpc_timeout", "runtime.deterministic")
 def calibrate(
     force: bool = typer.Option(False, "--force", help="Measure again even when cached"),
     json_out: bool = JsonOpt,

@@ -27,7 +27,7 @@ SETTINGS = ("decoding.policy", "decoding.temperature", "decoding.top_p", "decodi
             "runtime.rpc_timeout", "decoding.draft_memory")
 
 
-@with_settings(*SETTINGS)
+@with_settings(*SETTINGS, "runtime.deterministic")
 def chat(
     prompt: Optional[list[str]] = typer.Argument(None, help="Prompt text; '-' stands for stdin", show_default=False),
     max_tokens: int = typer.Option(CHAT_MAX_TOKENS, "--max-tokens", min=1, help="New tokens per answer"),
@@ -40,7 +40,7 @@ def chat(
     json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE",
                                               help="Hold every answer to this JSON Schema"),
     predict: Optional[str] = typer.Option(None, "--predict", metavar="FILE",
-                                          help="A file the answer is expected to resemble (drafted from, lossless)"),
+                                          help="A file the answer resembles (drafted from, lossless)"),
     *, cfg: Settings,
 ) -> None:
     from specquant_cli.decoding.sampling import SamplingParams

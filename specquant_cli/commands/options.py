@@ -240,11 +240,13 @@ def _click_module(name: str):
 
 def _apply_process_settings(cfg: Settings) -> None:
     """What holds for the whole process: whether errors show their traceback, llama.cpp's log file, the models
-    folder where families are found by name."""
-    from specquant_cli.settings import set_debug, set_models
+    folder where families are found by name, whether rows are computed the same way in every call."""
+    from specquant_cli.settings import set_debug, set_deterministic, set_models
 
     set_debug(bool(cfg.get("general.debug")))
     set_models(cfg.get("runtime.models"))
+    if "runtime.deterministic" in cfg.values:
+        set_deterministic(bool(cfg.get("runtime.deterministic")))
     path = cfg.get("runtime.llama_log")
     if path is not None:
         from specquant_cli.backend.llama import set_log_file

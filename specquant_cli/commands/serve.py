@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
     app.command("serve", help=HELP, short_help="Serve the OpenAI-compatible HTTP API")(serve)
 
 
-@with_settings(*SETTINGS)
+@with_settings(*SETTINGS, "runtime.deterministic")
 def serve(*, cfg: Settings) -> None:
     from specquant_cli.console import stderr_reporter
     from specquant_cli.serving.server import build_service, run, serve_settings

@@ -31,11 +31,13 @@ from specquant_cli.settings.environment import (
     columns,
     data_home,
     debug,
+    deterministic,
     env,
     model_stores,
     models_dir,
     models_given,
     set_debug,
+    set_deterministic,
     set_models,
 )
 from specquant_cli.settings.limits import (
@@ -82,5 +84,6 @@ __all__ = [
     "check_key", "check_parent", "check_path", "check_policy", "check_rpc", "check_text", "check_threads",
     "child_env", "columns", "cores", "data_home", "debug", "decide_cache_ram", "default_cache_ram", "env",
     "key_list", "model_stores", "models_dir", "models_given", "read_config", "read_toml", "register_policy_table",
-    "resolve", "resolve_all", "set_debug", "set_models", "settings_table", "with_companions",
+    "resolve", "resolve_all", "deterministic", "set_debug", "set_deterministic", "set_models", "settings_table",
+    "with_companions",
 ]

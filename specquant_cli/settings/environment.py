@@ -139,3 +139,21 @@ def columns() -> Optional[int]:
     """$COLUMNS when it is a number (the terminal width a user or a test fixed), else None."""
     raw = os.environ.get("COLUMNS", "")
     return int(raw) if raw.isascii() and raw.isdigit() and len(raw) < 6 else None
+
+
+_resolved_deterministic: list[bool] = []  # runtime.deterministic as the running command resolved it
+
+
+def set_deterministic(on: bool) -> None:
+    """The command edge records the resolved runtime.deterministic here (commands.options.with_settings), and puts
+    it in the environment, so child processes (a bench's children, the servers it starts) compute the same way."""
+    _resolved_deterministic[:] = [on]
+    os.environ[settings_table()["runtime.deterministic"].env] = "1" if on else "0"
+
+
+def deterministic() -> bool:
+    """Whether every llama.cpp row is computed the same way whatever the call (backend.context): runtime.deterministic
+    as the running command resolved it, else its variable read now (a value that is no boolean is false here)."""
+    if _resolved_deterministic:
+        return _resolved_deterministic[0]
+    return os.environ.get(settings_table()["runtime.deterministic"].env, "").strip().lower() in TRUE

@@ -89,6 +89,13 @@ def _declare() -> dict[str, Setting]:
         Setting("runtime", "mmap", bool, False, "Map model files instead of reading them in", "--mmap",
                 doc="A faster start and shared pages; a file changed under a mapping can crash the process, and "
                     "mapped weights may be reclaimed under memory pressure."),
+        Setting("runtime", "deterministic", bool, False, "Bit-identical answers in any batch",
+                "--deterministic", panel="Options",
+                doc="Every row llama.cpp computes goes through the same kernels whatever the call: a lone token is "
+                    "decoded beside a companion in a scratch sequence and every call keeps two output rows or none, "
+                    "so a greedy answer is the same bit for bit under every policy, prompt cache state, prefill "
+                    "chunking and slot batch (`specquant bench logits` shows it). Costs a second row on each "
+                    "one-token call."),
         Setting("runtime", "rpc", str, None, "Run the parent's layers on llama.cpp RPC workers", "--rpc",
                 check=check_rpc, many=True, optional=True, shown="none", metavar="HOST:PORT,…",
                 doc="HOST:PORT[,HOST:PORT…] of `specquant worker`s (a TOML array too); drafts stay here."),
@@ -175,4 +182,4 @@ def settings_table() -> dict[str, Setting]:
     return _settings
 
 
-GLOBAL_KEYS = ("general.debug", "runtime.llama_log", "runtime.models")  # resolved by every command
+GLOBAL_KEYS = ("general.debug", "runtime.llama_log", "runtime.models", "runtime.deterministic")  # every command's

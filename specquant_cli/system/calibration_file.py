@@ -19,7 +19,7 @@ from specquant_cli.errors import InputError
 from specquant_cli.family.roles import is_role_name
 from specquant_cli.fsutil import create_temp, write_json_atomic
 from specquant_cli.names import CALIBRATION
-from specquant_cli.settings import cores
+from specquant_cli.settings import cores, deterministic
 from specquant_cli.system.calibration import (
     DEEP_PARENT_SIZES,
     DRAFT_BATCH,
@@ -52,7 +52,7 @@ def fingerprint(facts, threads: Optional[int] = None, rpc: Optional[list[str]] =
             "threads": threads or cores(),
             "gpus": [g.name for g in facts.gpus], "gpu_offload": facts.gpu_offload,
             "llama_cpp_python": version("llama-cpp-python"), **({"rpc": sorted(rpc)} if rpc else {}),
-            "parent": parent or "f16"}
+            "parent": parent or "f16", **({"deterministic": True} if deterministic() else {})}
 
 
 def key_of(fp: dict) -> str:
