@@ -150,7 +150,8 @@ class Context(PrefixCache):
         # deep in a context costs less through the plain matrix products (measured on the 1.5B BF16 parent, AMD EPYC,
         # 2 threads, after 2,048 positions: 32 tokens 551 ms against 756, 16 tokens 310 against 430; one token and
         # the prefill level), and a verification is such a call. Every context of a family is made alike, so a
-        # draft can still take the parent's cache. Offloaded models keep llama.cpp's choice.
+        # draft can still take the parent's cache; a parent on RPC workers (CPUs too) computes as it does here.
+        # Models offloaded to a local GPU keep llama.cpp's choice.
         params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED if getattr(model, "on_host", True)
                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO)
         self._eval_callback = eval_callback

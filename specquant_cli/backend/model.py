@@ -29,7 +29,9 @@ class Model:
 
         init_backend()
         self.path = Path(path)
-        self.on_host = n_gpu_layers == 0 and devices is None  # every layer on this CPU (see Context's attention)
+        # whether its layers stay on CPUs (this one, or RPC workers' in `devices`) rather than a local GPU: Context's
+        # attention is chosen by it, and a parent through RPC workers computes as it does here
+        self.on_host = n_gpu_layers == 0 or devices is not None
         if not self.path.is_file():
             raise InputError(f"{self.path}: no such model file")
         if not vocab_only:  # a build that faults on this CPU is met by the self-test's child, not here
