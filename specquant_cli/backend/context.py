@@ -138,7 +138,7 @@ class Context(PrefixCache):
         self._scratch = n_seq_max if self.uniform else None
         self._last_out = -1
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_ctx + (UNIFORM_SPARE if self.uniform and not kv_unified else 0)
+        params.n_ctx = n_ctx + (UNIFORM_SPARE if self.uniform else 0)
         params.n_batch = max(2, n_batch)
         params.n_ubatch = max(2, n_batch)
         params.n_seq_max = n_seq_max + (1 if self.uniform else 0)
@@ -161,7 +161,7 @@ class Context(PrefixCache):
         self._ptr = llama_cpp.llama_init_from_model(model._ptr, params)
         if not self._ptr:
             raise LlamaError(f"llama.cpp could not create a context of {n_ctx} for {model.path.name}")
-        self.n_ctx = llama_cpp.llama_n_ctx(self._ptr)
+        self.n_ctx = llama_cpp.llama_n_ctx(self._ptr) - (UNIFORM_SPARE if self.uniform else 0)  # the spare: companions
         self.n_batch = n_batch
         self._mem = llama_cpp.llama_get_memory(self._ptr)
         self._batch = llama_cpp.llama_batch_init(max(2, n_batch), 0, n_seq_max + (1 if self.uniform else 0))

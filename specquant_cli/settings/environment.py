@@ -27,7 +27,8 @@ def child_env(**internal: str) -> dict[str, str]:
     unknown = [k for k in internal if k not in INTERNAL_ENV]
     if unknown:
         raise KeyError(f"{', '.join(unknown)}: not internal variables (settings.INTERNAL_ENV)")
-    return {**os.environ, **internal}
+    mode = {settings_table()["runtime.deterministic"].env: "1"} if _resolved_deterministic[:1] == [True] else {}
+    return {**os.environ, **mode, **internal}
 
 
 _resolved_debug: list[bool] = []  # general.debug as the running command resolved it (specquant.toml included)
@@ -145,10 +146,9 @@ _resolved_deterministic: list[bool] = []  # runtime.deterministic as the running
 
 
 def set_deterministic(on: bool) -> None:
-    """The command edge records the resolved runtime.deterministic here (commands.options.with_settings), and puts
-    it in the environment, so child processes (a bench's children, the servers it starts) compute the same way."""
+    """The command edge records the resolved runtime.deterministic here (commands.options.with_settings); child
+    processes of ours get it through child_env."""
     _resolved_deterministic[:] = [on]
-    os.environ[settings_table()["runtime.deterministic"].env] = "1" if on else "0"
 
 
 def deterministic() -> bool:
