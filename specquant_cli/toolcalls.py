@@ -43,6 +43,32 @@ def parse(text: str) -> list[dict]:
     return calls
 
 
+def written(content: str, calls: list[dict]) -> str:
+    """An answer of `content` and `calls` ({"name", "arguments"}; arguments a JSON object, or a string that is not
+    one) as the model writes it: what a client's parsed answer is compared with (bench load's fidelity)."""
+    texts = []
+    for c in calls:
+        args = c["arguments"]
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError):
+                pass
+        texts.append(call_text(c["name"], args))
+    return "\n".join([content, *texts] if content else texts)
+
+
+def rewritten(text: str) -> str:
+    """`text`, if it is tool calls, with each written as `written` writes it (the same calls whatever the model's
+    spacing in their JSON); any other text as it is."""
+    if not is_calls(text):
+        return text
+    try:
+        return written("", parse(text))
+    except (ValueError, RecursionError):
+        return text
+
+
 def is_calls(text: str) -> bool:
     """Whether an answer is tool calls (it opens with a call) rather than text."""
     return text.lstrip().startswith(TOOL_OPEN)

@@ -188,6 +188,37 @@ def test_a_correct_stream_succeeds_with_the_servers_token_count(hostile):
     assert srv.requests[0][2]["accept-encoding"] == "identity"
 
 
+def call_piece(index: int, name: str = "", arguments: str = "") -> bytes:
+    fn = {**({"name": name} if name else {}), "arguments": arguments}
+    return sse({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": index, "type": "function",
+                                                                      "function": fn}]}, "finish_reason": None}]})
+
+
+def test_a_replayed_turn_sends_its_tools_and_its_tool_calls_come_back_as_the_model_writes_them(hostile):
+    """A tool call streamed in pieces (llama-server's way: the name, then the arguments a few characters at a time)
+    becomes the answer's text in the model's own form, so that it can be judged against the parent's tokens."""
+    bodies = []
+    calls = (call_piece(0, "read_file", '{"pa') + call_piece(0, arguments='th": "a.py"}') + call_piece(1, "ls")
+             + call_piece(1, arguments="{}"))
+    srv = hostile(lambda send, body: (bodies.append(body), send(SSE_HEAD + calls + FINISH + usage(9) + DONE)))
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+    target = load.Target(srv.url, "m", 64, timeout_s=READ_S, request_timeout_s=REQUEST_S)
+    convs = load.replayed([[{"role": "user", "content": "read a.py"}]], (), [{"tools": tools, "tool_choice": "auto"}])
+    (r,), _ = load.run(target, convs, [0.0], 1, None)
+    assert r.ok and bodies[0]["tools"] == tools and bodies[0]["tool_choice"] == "auto"
+    assert r.text == ('<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n'
+                      '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>')
+    assert r.output_tokens == 9 and r.ttft_s is not None and len(r.itl_s) == 3
+
+
+def test_tool_call_arguments_past_max_tokens_fail(hostile):
+    block = call_piece(0, arguments="a") * 1000
+    srv = hostile(lambda send, body: (send(SSE_HEAD + call_piece(0, "f")), endless(send, block, 2000 * len(block)),
+                                      send(FINISH + DONE)))
+    error, took = failed(srv.url)
+    assert error == "the server streamed more than 8 content pieces for max_tokens 8" and took < 5
+
+
 def test_a_correct_gzip_stream_is_inflated_and_succeeds(hostile):
     def chat(send, body):  # a server that compresses anyway: read, within the same bounds
         c = zlib.compressobj(6, zlib.DEFLATED, 31)

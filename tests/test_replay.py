@@ -113,8 +113,9 @@ def test_a_client_s_requests_are_recorded_passed_through_and_replayed_as_the_par
     ('{"endpoint": "/v1/embeddings", "body": {"input": "x"}}', "cannot be replayed"),
     ('{"messages": []}', "'messages' must be a non-empty array"),
     ('{"messages": [{"role": "robot", "content": "x"}]}', "messages[0] must be an object with a role"),
-    ('{"endpoint": "/v1/responses", "body": {"input": [{"type": "function_call_output", "output": "x"}]}}',
-     "input[0] cannot be replayed"),
+    ('{"endpoint": "/v1/responses", "body": {"input": [{"type": "item_reference", "id": "x"}]}}',
+     "input[0].type: 'input[0].type' is not supported"),
+    ('{"messages": [{"role": "user", "content": "x"}], "tools": {"f": 1}}', "'tools' must be an array of objects"),
     ('{"messages": [{"role": "user", "content": "x"}], "prediction": {"content": 3}}', "'prediction' must be"),
     ("[" * 100 + "]" * 100, "nested deeper"),
 ])
@@ -135,3 +136,19 @@ def test_replay_takes_no_scenario_of_its_own(tmp_path):
     r = run_cli(["bench", "load", "--url", "http://127.0.0.1:9", "--replay", str(tmp_path / "none.jsonl")])
     assert r.exit_code == 1 and "none.jsonl" in r.stderr and "Traceback" not in r.stderr
     assert re.search(r"error: .*none\.jsonl", r.stderr)
+
+
+def test_the_shipped_agent_trace_replays_its_tool_turns_as_chat_requests():
+    """The Agents SDK trace (Responses API): its function_call and function_call_output items become the assistant's
+    tool calls and tool messages, its function tool and tool_choice go with every request, as serve converts them."""
+    reqs = replay.read(REPO / "specquant_cli" / "bench" / "agents-bisect.trace.jsonl")
+    assert len(reqs) == 4
+    sent, _, fields = replay.turns(reqs)
+    assert all([t["function"]["name"] for t in f["tools"]] == ["read_file"] for f in fields)
+    assert [f.get("tool_choice") for f in fields] == ["required", None] * 2  # the SDK resets it after a tool call
+    assert [m["role"] for m in sent[1]] == ["system", "user", "assistant", "tool"]
+    call = sent[1][2]["tool_calls"][0]
+    assert call["function"]["name"] == "read_file" and call["id"] == sent[1][3]["tool_call_id"]
+    assert '"""Bisection algorithms."""' in sent[1][3]["content"]
+    assert [m["role"] for m in sent[3]] == ["system", "user", "assistant", "tool", "assistant", "user", "assistant",
+                                            "tool"]

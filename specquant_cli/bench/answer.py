@@ -62,6 +62,7 @@ class RequestResult:
     # it did not (None: not said)
     prediction_accepted: Optional[int] = None
     prediction_rejected: Optional[int] = None
+    fields: dict = field(default_factory=dict)  # a replayed request's other fields, sent as recorded (tools, ...)
 
     @property
     def mean_itl_s(self) -> Optional[float]:
@@ -91,12 +92,13 @@ class Target:
     def headers(self) -> dict:
         return {**IDENTITY, **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
 
-    def body(self, messages: list[dict], prediction: Optional[str] = None) -> dict:
-        """A standard streamed greedy chat completion, with OpenAI's `prediction` when one is given; non-standard
-        fields only as --extra-body asks."""
+    def body(self, messages: list[dict], prediction: Optional[str] = None, fields: Optional[dict] = None) -> dict:
+        """A standard streamed greedy chat completion, with OpenAI's `prediction` when one is given and a replayed
+        request's `fields` (tools, tool_choice); non-standard fields only as --extra-body asks."""
         predicted = {"prediction": {"type": "content", "content": prediction}} if prediction else {}
-        return {"model": self.model, "messages": messages, "max_tokens": self.max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}, **predicted, **self.extra_body}
+        return {"model": self.model, "messages": messages, **(fields or {}), "max_tokens": self.max_tokens,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **predicted,
+                **self.extra_body}
 
     def stream_cap(self) -> int:
         """The most bytes one answer's event stream may take: a floor, or a generous allowance per token."""
@@ -138,7 +140,9 @@ class _Answer:
     def __init__(self, target: Target, result: RequestResult, clock: Callable[[], float], t0: float):
         self.target, self.result, self.clock, self.t0 = target, result, clock, t0
         self.parts: list[str] = []
+        self.calls: dict[int, dict] = {}  # the answer's tool calls by index: {"name", "arguments"} as streamed
         self.chars = 0
+        self.pieces = 0  # content and tool-call pieces streamed
         self.last: Optional[float] = None  # when the last content piece came
         self.end: Optional[float] = None  # when the last event that was no comment came
         self.usage_tokens: Optional[int] = None
@@ -197,6 +201,9 @@ class _Answer:
             content = delta.get("content") if isinstance(delta, dict) else None
             if isinstance(content, str) and content:
                 self._piece(content)
+            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            for call in calls if isinstance(calls, list) else []:
+                self._call_piece(call)
             if isinstance(choice, dict) and choice.get("finish_reason"):
                 r.finish_reason = brief(str(choice["finish_reason"]), 40)
                 if self.finished_at is None:
@@ -215,12 +222,41 @@ class _Answer:
             if v is not None:
                 setattr(r, k, v)
 
+    def _call_piece(self, call) -> None:
+        """A piece of a tool call (OpenAI's delta.tool_calls[i]: its index, the function's name and a piece of its
+        arguments): timed and bounded as content is, and kept by index."""
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            return
+        index = call.get("index") if isinstance(call.get("index"), int) else 0
+        name, args = (v if isinstance(v, str) else "" for v in (fn.get("name"), fn.get("arguments")))
+        if not (name or args):
+            return
+        self._timed(len(name) + len(args))
+        held = self.calls.setdefault(index, {"name": "", "arguments": ""})
+        held["name"] += name
+        held["arguments"] += args
+
+    def text(self) -> str:
+        """The answer's text: its content, then its tool calls (if any) as the model writes them (Hermes form,
+        toolcalls.call_text), so an answer that is a tool call can be compared with the parent's own text."""
+        from specquant_cli import toolcalls
+
+        content = "".join(self.parts)
+        return toolcalls.written(content, [c for _, c in sorted(self.calls.items())]) if self.calls else content
+
     def _piece(self, content: str) -> None:
         """A content piece: timed, and held to the bounds (each piece carries at least one token)."""
+        self._timed(len(content))
+        self.parts.append(content)
+
+    def _timed(self, chars: int) -> None:
+        """A piece of the answer came (content or a tool call's): timed, and held to the bounds."""
         r, max_tokens = self.result, self.target.max_tokens
-        if len(self.parts) >= max_tokens:
+        self.pieces += 1
+        if self.pieces > max_tokens:
             raise Refused(f"the server streamed more than {max_tokens} content pieces for max_tokens {max_tokens}")
-        self.chars += len(content)
+        self.chars += chars
         if self.chars > self.target.max_chars():
             raise Refused(f"the server streamed over {self.target.max_chars()} characters for max_tokens "
                            f"{max_tokens} (at most {MAX_CHARS_PER_TOKEN} a token)")
@@ -230,13 +266,12 @@ class _Answer:
         else:
             r.itl_s.append(now - self.last)
         self.last = now
-        self.parts.append(content)
 
 
 async def _exchange(client, target: Target, answer: _Answer, scope: asyncio.Timeout) -> None:
     """POST the request and read its event stream line by line into `answer`, until [DONE], the end of the
     stream, or a short grace after the finish (`scope`, the request's deadline, is brought forward to it)."""
-    body = target.body(answer.result.messages, answer.result.prediction)
+    body = target.body(answer.result.messages, answer.result.prediction, answer.result.fields)
     async with client.stream("POST", target.url + "/v1/chat/completions", json=body, headers=target.headers()) as resp:
         if resp.status_code != 200:
             try:
@@ -291,10 +326,10 @@ async def stream_chat(client, target: Target, result: RequestResult, clock: Call
         result.error = f"{type(e).__name__}: {brief(str(e))}" if str(e) else type(e).__name__
     finally:
         result.e2e_s = (answer.end if answer.complete and answer.end is not None else clock()) - t0
-        result.text = "".join(answer.parts)
+        result.text = answer.text()
     if result.error is not None:
         return result
     result.ok = True
-    result.output_tokens = answer.usage_tokens if answer.usage_tokens is not None else len(answer.parts)
+    result.output_tokens = answer.usage_tokens if answer.usage_tokens is not None else answer.pieces
     result.tokens_from = "usage" if answer.usage_tokens is not None else "chunks"
     return result

@@ -201,6 +201,15 @@ def classify_text(ctx: Context, prompt: Sequence[int], parent: Sequence[int], te
     return first
 
 
+def _same_calls(model, parent: Sequence[int], text: str) -> bool:
+    """Whether `text` (a client's answer: its tool calls as the server parsed them, written back by
+    bench.answer) holds the very calls the parent's tokens write, however the parent spaced their JSON."""
+    from specquant_cli import toolcalls
+
+    raw = b"".join(model.piece(t) for t in parent).decode("utf-8", "replace")
+    return toolcalls.is_calls(raw) and toolcalls.rewritten(raw) == text
+
+
 TEXT_LOOKBACK = 3  # tokens before the text's own divergence where the answer's token may have parted
 
 
@@ -294,11 +303,15 @@ def judge(results: Sequence, parent: ParentAnswers,
     divergences = []
     todo = [r for r in results if r.ok]
     for i, r in enumerate(todo, 1):
-        prompt = ctx.model.chat_prompt(r.messages)
+        tools = r.fields.get("tools")  # a replayed request's tools are part of its prompt
+        prompt = ctx.model.chat_prompt(r.messages, tools)
         if len(prompt) + max_tokens > ctx.n_ctx:
             raise InputError(f"conversation {r.conversation} turn {r.turn}: {len(prompt)} prompt tokens and "
                              f"{max_tokens} new ones do not fit the parent's --ctx {ctx.n_ctx}; raise --ctx")
-        verdict = classify_text(ctx, prompt, parent.answer(prompt), r.text, noise.bound)
+        answer = parent.answer(prompt)
+        verdict = classify_text(ctx, prompt, answer, r.text, noise.bound)
+        if verdict["verdict"] != IDENTICAL and tools and _same_calls(ctx.model, answer, r.text):
+            verdict = {"verdict": IDENTICAL}
         r.fidelity = verdict
         counts[verdict["verdict"]] += 1
         if verdict["verdict"] != IDENTICAL:

@@ -109,19 +109,23 @@ class Conversation:
     questions: tuple[str, ...]
     system: Optional[str] = None
     predictions: tuple[Optional[str], ...] = ()  # each question's `prediction` (Predicted Outputs), when it has one
-    # a replayed trace (bench.replay): each turn's messages as recorded, sent as they are (`questions` unused)
+    # a replayed trace (bench.replay): each turn's messages as recorded, sent as they are (`questions` unused), and
+    # each turn's other recorded fields sent with them (tools, tool_choice)
     fixed: tuple[tuple[dict, ...], ...] = ()
+    fields: tuple[dict, ...] = ()
 
     @property
     def turns(self) -> int:
         return len(self.fixed) if self.fixed else len(self.questions)
 
 
-def replayed(turns: Sequence[Sequence[dict]], predictions: Sequence[Optional[str]] = ()) -> list[Conversation]:
-    """A recorded trace (bench.replay) as one conversation: each turn's messages as recorded, in order."""
+def replayed(turns: Sequence[Sequence[dict]], predictions: Sequence[Optional[str]] = (),
+             fields: Sequence[dict] = ()) -> list[Conversation]:
+    """A recorded trace (bench.replay) as one conversation: each turn's messages (and its tools, tool_choice) as
+    recorded, in order."""
     if not turns:
         raise InputError("no requests to replay")
-    return [Conversation(0, (), None, tuple(predictions), tuple(tuple(m) for m in turns))]
+    return [Conversation(0, (), None, tuple(predictions), tuple(tuple(m) for m in turns), tuple(fields))]
 
 
 def conversations(scenario: str, questions: Sequence[str], count: int, turns: int,
@@ -255,7 +259,7 @@ async def _run(target: Target, convs: Sequence[Conversation], starts: Sequence[f
                     messages = list(conv.fixed[k]) if conv.fixed else \
                         [*history, {"role": "user", "content": conv.questions[k]}]
                     r = RequestResult(conv.index, k, messages, conv.predictions[k] if conv.predictions else None,
-                                      start_s=clock() - t0)
+                                      start_s=clock() - t0, fields=dict(conv.fields[k]) if conv.fields else {})
                     await stream_chat(client, target, r, clock, run_end)
                     results.append(r)
                     if on_result:

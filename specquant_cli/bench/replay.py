@@ -6,16 +6,22 @@ load (bench.fidelity), so a replay checks that each answer is the parent's, and 
 tokens per second and the prompt tokens the server took from its cache (an agent resends the same file each turn).
 
 A trace is JSON lines, one request each: `{"endpoint": "/v1/chat/completions", "body": {...}}` as `bench record`
-writes it, or the request body alone (an object with `messages`). What is replayed of a body: its messages and its
-`prediction`; the rest (`stream`, `temperature`, `max_tokens`, ...) is the benchmark's (streamed, greedy, --max-tokens),
-so that every server answers alike. A Responses API request (`/v1/responses`) is replayed as the chat request it
-stands for: `instructions` as a system message, `input` (a string, or messages whose content is a string or text
-parts) as the conversation; a tool turn of either API is sent as it was recorded.
+writes it, or the request body alone (an object with `messages`). What is replayed of a body: its messages, its
+`prediction`, and its `tools` and `tool_choice` (the tools are part of the prompt, and an agent's turn may be a tool
+call); the rest (`stream`, `temperature`, `max_tokens`, ...) is the benchmark's (streamed, greedy, --max-tokens), so
+that every server answers alike. A Responses API request (`/v1/responses`) is replayed as the chat request it stands
+for, converted as `specquant serve` converts it (serving.responses.chat_body): `instructions` as a system message,
+`input` as the conversation (function_call items as the assistant's tool calls, function_call_output items as tool
+messages), function tools as tools; built-in tools are left out.
 
-`aider-bisect.trace.jsonl` (beside this module) is a real one: aider 0.86.2 (`--edit-format whole`, no repository map)
+Two real traces sit beside this module. `aider-bisect.trace.jsonl`: aider 0.86.2 (`--edit-format whole`, no repository map)
 asked to rename the parameter `lo` to `low`, then `hi` to `high`, in CPython 3.11's `bisect.py` (PSF License), through
 `bench record` in front of `specquant serve` with the qwen2.5-coder-1.5b family: two requests of about 1,500 tokens,
 each holding the whole file (the second the file as the first answer left it), neither with `max_tokens`.
+`agents-bisect.trace.jsonl`: a file-editing agent on the OpenAI Agents SDK 0.24 (Responses API, one `read_file`
+function tool, `tool_choice: required` until the tool is called, then a reply with the whole file in a code block),
+given the same two renames in one session: four requests, two that call the tool and two that rewrite the file from
+the tool's output (the second with the whole first turn before it: the file twice, and the first answer).
 
 Nothing in a trace is trusted: a line that is not such a request is refused naming the file, the line and the problem
 (bench.datasets.json_lines: JSON nested at most MAX_DEPTH levels)."""
@@ -31,19 +37,24 @@ from specquant_cli.bench.datasets import json_lines
 from specquant_cli.errors import InputError
 from specquant_cli.fsutil import read_input_file
 from specquant_cli.inputs import decode_input
+from specquant_cli.serving.responses import chat_body
+from specquant_cli.serving.schemas import ApiError
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
 ROLES = ("system", "developer", "user", "assistant", "tool")
+REPLAYED = ("tools", "tool_choice")  # replayed as recorded, besides the messages and the prediction
 
 
 @dataclass(frozen=True)
 class Request:
-    """One recorded request, as it is replayed: its messages, its prediction, and where it was read."""
+    """One recorded request, as it is replayed: its messages, its prediction, its other replayed fields (`tools`,
+    `tool_choice`) and where it was read."""
 
     messages: tuple[dict, ...]
     prediction: Optional[str] = None
     where: str = ""
+    fields: tuple[tuple[str, object], ...] = ()  # (name, value), as sent
 
 
 def read(path: Path) -> list[Request]:
@@ -65,19 +76,25 @@ def _request(d, where: str) -> Request:
     endpoint, body = (d.get("endpoint", CHAT), d.get("body")) if "body" in d else (CHAT, d)
     if not isinstance(body, dict):
         raise InputError(f"{where}: 'body' must be an object (the request's JSON body)")
-    if endpoint == CHAT:
-        messages = body.get("messages")
-    elif endpoint == RESPONSES:
-        messages = _responses_messages(body, where)
-    else:
+    if endpoint == RESPONSES:
+        try:
+            body = {**chat_body(body), "prediction": body.get("prediction")}
+        except ApiError as e:
+            raise InputError(f"{where}: " + (f"{e.param}: " if e.param else "") + e.message) from None
+    elif endpoint != CHAT:
         raise InputError(f"{where}: endpoint {str(endpoint)[:60]!r} cannot be replayed (expected {CHAT} or "
                          f"{RESPONSES})")
+    messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InputError(f"{where}: 'messages' must be a non-empty array")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise InputError(f"{where}: messages[{i}] must be an object with a role of {', '.join(ROLES)}")
-    return Request(tuple(messages), _prediction(body.get("prediction"), where), where)
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise InputError(f"{where}: 'tools' must be an array of objects")
+    fields = tuple((k, body[k]) for k in REPLAYED if body.get(k) not in (None, []))
+    return Request(tuple(messages), _prediction(body.get("prediction"), where), where, fields)
 
 
 def _prediction(p, where: str) -> Optional[str]:
@@ -92,32 +109,7 @@ def _prediction(p, where: str) -> Optional[str]:
     return content or None
 
 
-def _responses_messages(body: dict, where: str) -> list[dict]:
-    """The chat messages a Responses request stands for (its instructions, then its input)."""
-    out = [{"role": "system", "content": body["instructions"]}] if isinstance(body.get("instructions"), str) else []
-    given = body.get("input")
-    if isinstance(given, str):
-        return [*out, {"role": "user", "content": given}]
-    if not isinstance(given, list):
-        raise InputError(f"{where}: a Responses request's 'input' must be a string or an array")
-    for i, item in enumerate(given):
-        if not isinstance(item, dict) or item.get("role") not in ROLES:
-            raise InputError(f"{where}: input[{i}] cannot be replayed as a chat message (a message with a role; "
-                             "tool calls and their outputs are not replayed from a Responses trace)")
-        out.append({"role": item["role"], "content": _text(item.get("content"), f"{where}: input[{i}]")})
-    return out
-
-
-def _text(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = [c.get("text") for c in content if isinstance(c, dict)]
-        if texts and all(isinstance(t, str) for t in texts):
-            return "".join(texts)
-    raise InputError(f"{where}.content: expected a string or text parts")
-
-
-def turns(reqs: Sequence[Request]) -> tuple[tuple[tuple[dict, ...], ...], tuple[Optional[str], ...]]:
-    """(each request's messages, each request's prediction): one conversation's turns, replayed in order."""
-    return tuple(r.messages for r in reqs), tuple(r.prediction for r in reqs)
+def turns(reqs: Sequence[Request]) -> tuple[tuple[tuple[dict, ...], ...], tuple[Optional[str], ...], tuple[dict, ...]]:
+    """(each request's messages, its prediction, its other replayed fields): one conversation's turns, in order."""
+    return (tuple(r.messages for r in reqs), tuple(r.prediction for r in reqs),
+            tuple(dict(r.fields) for r in reqs))

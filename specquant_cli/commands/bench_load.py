@@ -139,8 +139,8 @@ def load_cmd(
         from specquant_cli.bench import replay as traces
 
         reqs = traces.read(replay)
-        sent, predicted = traces.turns(reqs)
-        convs = load.replayed(sent, predicted if prediction == "on" else ())
+        sent, predicted, fields = traces.turns(reqs)
+        convs = load.replayed(sent, predicted if prediction == "on" else (), fields)
         scenario, turns = "replay", len(reqs)
     else:
         items = datasets.with_predictions(datasets.load(dataset, cats, limit, edits=edits), prediction)

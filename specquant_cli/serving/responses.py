@@ -223,6 +223,15 @@ def _check_include(include: Any) -> None:
     # the others name parts of items this server never makes (reasoning, search results, images): nothing to add
 
 
+def chat_body(body: dict) -> dict:
+    """The chat completion body a Responses body amounts to (messages, function tools, tool_choice, response_format,
+    ...), as serve runs it, built-in tools left out; ApiError naming the Responses field for a body that cannot be
+    one. (bench load --replay sends a recorded Responses request to any server this way.)"""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return _chat_body(body, [], refuse_builtin=False)[0]
+
+
 def _chat_body(body: dict, warnings: list[str], refuse_builtin: bool) -> tuple[dict, Where, dict[str, str]]:
     """The chat completion body a Responses body amounts to, where each of its messages and tools came from, and the
     namespace of each function of a namespace tool; what is left out goes to `warnings`."""
