@@ -14,10 +14,11 @@ for, converted as `specquant serve` converts it (serving.responses.chat_body): `
 `input` as the conversation (function_call items as the assistant's tool calls, function_call_output items as tool
 messages), function tools as tools; built-in tools are left out.
 
-Two real traces sit beside this module. `aider-bisect.trace.jsonl`: aider 0.86.2 (`--edit-format whole`, no repository map)
-asked to rename the parameter `lo` to `low`, then `hi` to `high`, in CPython 3.11's `bisect.py` (PSF License), through
-`bench record` in front of `specquant serve` with the qwen2.5-coder-1.5b family: two requests of about 1,500 tokens,
-each holding the whole file (the second the file as the first answer left it), neither with `max_tokens`.
+Two real traces sit beside this module. `aider-bisect.trace.jsonl`: aider 0.86.2 (`--edit-format whole`, no
+repository map) asked to rename the parameter `lo` to `low`, then `hi` to `high`, in CPython 3.11's `bisect.py` (PSF
+License), through `bench record` in front of `specquant serve` with the qwen2.5-coder-1.5b family: two requests of
+about 1,500 tokens, each holding the whole file (the second the file as the first answer left it), neither with
+`max_tokens`.
 `agents-bisect.trace.jsonl`: a file-editing agent on the OpenAI Agents SDK 0.24 (Responses API, one `read_file`
 function tool, `tool_choice: required` until the tool is called, then a reply with the whole file in a code block),
 given the same two renames in one session: four requests, two that call the tool and two that rewrite the file from
