@@ -438,12 +438,22 @@ def test_the_stamp_of_a_run():
 
     from specquant_cli import __version__
     from specquant_cli.bench.stamp import markdown_lines, take
+    from specquant_cli.settings import environment, set_deterministic
 
     st = take("specquant bench route", 4)
-    assert set(st) == {"specquant", "commit", "python", "llama_cpp_python", "cpu", "threads", "date", "command"}
+    assert set(st) == {"specquant", "commit", "python", "llama_cpp_python", "cpu", "threads", "mode", "date",
+                       "command"}
     assert st["specquant"] == __version__ and st["python"] == platform.python_version() and st["threads"] == 4
     assert st["command"] == "specquant bench route" and st["llama_cpp_python"] and st["cpu"]
     assert st["date"].endswith("+00:00") and st["date"][:2] == "20"
     (line,) = markdown_lines(st)
-    assert line.startswith(f"- run: specquant {__version__}") and ", 4 threads; " in line and st["cpu"] in line
-    assert markdown_lines(None) == []
+    assert line.startswith(f"- run: specquant {__version__}") and ", 4 threads, default mode; " in line
+    assert st["cpu"] in line and st["mode"] == "default" and markdown_lines(None) == []
+    before = environment._resolved_deterministic[:]
+    set_deterministic(True)  # as `--deterministic` resolves it: the run's mode is stamped (bench rows name theirs)
+    try:
+        assert take("x", 2)["mode"] == "deterministic" and ", 2 threads, deterministic mode; " in markdown_lines(
+            take("x", 2))[0]
+        assert take("x", None, models_here=False)["mode"] is None  # a server's mode is its own
+    finally:
+        environment._resolved_deterministic[:] = before

@@ -152,3 +152,22 @@ def test_the_shipped_agent_trace_replays_its_tool_turns_as_chat_requests():
     assert '"""Bisection algorithms."""' in sent[1][3]["content"]
     assert [m["role"] for m in sent[3]] == ["system", "user", "assistant", "tool", "assistant", "user", "assistant",
                                             "tool"]
+
+
+def test_requests_picks_from_the_trace_and_only_from_one():
+    r = run_cli(["bench", "load", "--url", "http://127.0.0.1:9", "--requests", "1"])
+    assert r.exit_code == 1 and "--requests applies to --replay" in r.stderr
+    trace = REPO / "specquant_cli" / "bench" / "agents-bisect.trace.jsonl"
+    for bad in ("5", "0", "2,x"):
+        r = run_cli(["bench", "load", "--url", "http://127.0.0.1:9", "--replay", str(trace), "--requests", bad])
+        assert r.exit_code == 1 and "is no whole number from 1 to 4" in r.stderr, r.stderr
+
+
+def test_a_request_whose_tool_choice_forces_a_call_is_not_judged():
+    """The server holds such an answer to a grammar; the parent alone, answering freely, is no judge of it."""
+    from specquant_cli.bench.answer import RequestResult
+    from specquant_cli.bench.fidelity import _forced
+
+    assert [_forced(RequestResult(0, 0, [], fields=f)) for f in (
+        {}, {"tool_choice": "auto"}, {"tool_choice": "none"}, {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}})] == [False, False, False, True, True]

@@ -19,6 +19,7 @@ from specquant_cli.backend.llama import Context
 from specquant_cli.errors import InputError
 
 IDENTICAL, NEAR_TIE, UNEXPLAINED = "identical", "near-tie", "unexplained"
+NOT_JUDGED = "not judged"  # a request the parent alone cannot answer as the server must (a forced tool call)
 
 # Why 2x: the probe sees a few dozen positions and batch shapes; the bench's verification batches meet other
 # positions, prompts and KV contents whose rounding can exceed the largest difference the probe happened to
@@ -201,6 +202,11 @@ def classify_text(ctx: Context, prompt: Sequence[int], parent: Sequence[int], te
     return first
 
 
+def _forced(r) -> bool:
+    """Whether a replayed request's tool_choice forces a call (required, or a named function)."""
+    return r.fields.get("tool_choice") not in (None, "auto", "none")
+
+
 def _same_calls(model, parent: Sequence[int], text: str) -> bool:
     """Whether `text` (a client's answer: its tool calls as the server parsed them, written back by
     bench.answer) holds the very calls the parent's tokens write, however the parent spaced their JSON."""
@@ -301,7 +307,11 @@ def judge(results: Sequence, parent: ParentAnswers,
     ctx, noise, max_tokens = parent.ctx, parent.noise, parent.max_tokens
     counts = {IDENTICAL: 0, NEAR_TIE: 0, UNEXPLAINED: 0}
     divergences = []
-    todo = [r for r in results if r.ok]
+    todo = [r for r in results if r.ok and not _forced(r)]
+    for r in results:
+        if r.ok and _forced(r):
+            r.fidelity = {"verdict": NOT_JUDGED, "why": "its tool_choice forces a tool call (a grammar the server "
+                                                        "holds the answer to; the parent alone here is free)"}
     for i, r in enumerate(todo, 1):
         tools = r.fields.get("tools")  # a replayed request's tools are part of its prompt
         prompt = ctx.model.chat_prompt(r.messages, tools)
@@ -319,5 +329,6 @@ def judge(results: Sequence, parent: ParentAnswers,
         if progress:
             progress(i, len(todo))
     ctx.reset()
-    return {"judged": len(todo), "identical": counts[IDENTICAL], "near_tie": counts[NEAR_TIE],
+    return {"judged": len(todo), "not_judged": sum(1 for r in results if r.ok and _forced(r)),
+            "identical": counts[IDENTICAL], "near_tie": counts[NEAR_TIE],
             "unexplained": counts[UNEXPLAINED], "noise": noise.to_dict(), "divergences": divergences}

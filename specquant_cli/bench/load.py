@@ -405,6 +405,7 @@ def markdown(report: dict) -> str:
     f = report.get("fidelity")
     if f:
         lines += ["", f"Fidelity against the parent alone ({report['fidelity_family']}): {f['identical']} identical, "
-                      f"{f['near_tie']} near-tie, {f['unexplained']} unexplained of {f['judged']}; near-tie bound "
-                      f"{f['noise']['bound']:.3g}."]
+                      f"{f['near_tie']} near-tie, {f['unexplained']} unexplained of {f['judged']}"
+                      + (f" ({f['not_judged']} not: a forced tool call)" if f.get("not_judged") else "")
+                      + f"; near-tie bound {f['noise']['bound']:.3g}."]
     return "\n".join(lines) + "\n"

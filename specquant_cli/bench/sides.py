@@ -31,7 +31,7 @@ from typing import Optional
 
 from specquant_cli.bench.stamp import markdown_lines
 from specquant_cli.errors import InputError, SpecquantError
-from specquant_cli.settings import settings_table
+from specquant_cli.settings import child_env, settings_table
 
 # llama-server's modes, each at the settings its docs give (docs/speculative.md of the llama.cpp vendored in
 # llama-cpp-python 0.3.36): the n-gram drafters as their sample commands run them.
@@ -138,6 +138,9 @@ def command(c: Contender, setup: Setup, folder: Path, port: int) -> list[str]:
     return [sys.executable, "-m", "specquant_cli", "serve", *flags]
 
 
+FIDELITY_COUNTS = ("judged", "not_judged", "identical", "near_tie", "unexplained")
+
+
 def start(c: Contender, setup: Setup, say: Callable[[str], None]) -> Server:
     """`c`'s server, listening and answering /health; a one-line error (with its last lines) when it exits or
     does not come up within START_TIMEOUT_S."""
@@ -146,7 +149,7 @@ def start(c: Contender, setup: Setup, say: Callable[[str], None]) -> Server:
     cmd = command(c, setup, folder, port)
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, errors="replace", start_new_session=True)
+                                text=True, errors="replace", start_new_session=True, env=child_env())
     except OSError as e:
         shutil.rmtree(folder, ignore_errors=True)
         raise InputError(f"{c.name}: cannot start {cmd[0]} ({e.strerror or e})") from None
@@ -272,8 +275,7 @@ def report(runs: Sequence[Run], contenders: Sequence[Contender], setup: Setup, c
                      "wall_s": _median([r.summary["wall_s"] for r in mine]),
                      "ttft_p50_s": _median([r.summary["ttft_s"]["p50"] for r in mine]),
                      "itl_p50_s": _median([r.summary["itl_s"]["p50"] for r in mine]),
-                     "fidelity": {k: sum(f[k] for f in fid) for k in ("judged", "identical", "near_tie", "unexplained")}
-                     if fid else None,
+                     "fidelity": {k: sum(f.get(k, 0) for f in fid) for k in FIDELITY_COUNTS} if fid else None,
                      "prediction": _prediction(mine),
                      "cached_share": _cached_share(mine),
                      "plans": _plans(mine)})
@@ -379,6 +381,11 @@ def markdown(rep: dict) -> str:
     if cached:
         lines += ["", "Prompt tokens taken from the server's cache: " + "; ".join(
             f"{row['server']} {row['cached_share']:.0%}" for row in cached) + "."]
+    unjudged = {row["server"]: row["fidelity"]["not_judged"] for row in rows
+                if row["fidelity"] and row["fidelity"].get("not_judged")}
+    if unjudged:
+        lines += ["", "Not judged (the request's tool_choice forces a tool call, a grammar the server holds the "
+                      "answer to): " + "; ".join(f"{k} {n}" for k, n in unjudged.items()) + "."]
     if c["scenario"] == "replay":
         lines += per_turn(rep)
     if runs > 1:

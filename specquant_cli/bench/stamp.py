@@ -1,6 +1,7 @@
 """What makes a bench figure reproducible, taken once as a run begins and kept in every bench report: the specquant
-version and the git commit it runs from, Python and llama-cpp-python, the CPU, the threads, the date and the
-command. `take` never fails a bench: what cannot be found is None."""
+version and the git commit it runs from, Python and llama-cpp-python, the CPU, the threads, the mode the models run in
+(default or deterministic: backend.context), the date and the command. `take` never fails a bench: what cannot be
+found is None."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ from typing import Optional
 GIT_TIMEOUT_S = 3.0  # each git call; a hung git (a network file system, a lock) costs a bench this much at most
 
 
-def take(command: str, threads: Optional[int]) -> dict:
+def take(command: str, threads: Optional[int], models_here: bool = True) -> dict:
     """The run's stamp. `command`: the command line as typed (commands.options.command_line); `threads`: the
-    llama.cpp threads the run uses (None: it runs no model here)."""
+    llama.cpp threads the run uses (None: it runs no model here, or its server's are its own); `models_here`: whether
+    the run's models (or servers) are this command's, so that its mode is theirs."""
     import platform
 
     from specquant_cli import __version__
+    from specquant_cli.settings import deterministic
     from specquant_cli.system.hardware import cpu_model
 
     return {"specquant": __version__, "commit": git_commit(), "python": platform.python_version(),
             "llama_cpp_python": _version("llama_cpp_python"), "cpu": cpu_model(), "threads": threads,
+            "mode": ("deterministic" if deterministic() else "default") if models_here else None,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "command": command}
 
@@ -67,5 +71,6 @@ def markdown_lines(stamp: Optional[dict]) -> list[str]:
         return []
     commit = f" ({stamp['commit']})" if stamp.get("commit") else ""
     threads = f", {stamp['threads']} threads" if stamp.get("threads") else ""
+    mode = f", {stamp['mode']} mode" if stamp.get("mode") else ""
     return [f"- run: specquant {stamp['specquant']}{commit}, Python {stamp['python']}, llama-cpp-python "
-            f"{stamp['llama_cpp_python'] or '?'}; {stamp['cpu']}{threads}; {stamp['date']}"]
+            f"{stamp['llama_cpp_python'] or '?'}; {stamp['cpu']}{threads}{mode}; {stamp['date']}"]

@@ -31,9 +31,9 @@ def register(app: typer.Typer) -> None:
 
 
 @with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "decoding.gamma",
-               "serving.prefill_chunk")
+               "serving.prefill_chunk", "runtime.deterministic")
 def batch(
-    requests: str = typer.Option("1,2,4,8", "--requests", help="Requests decoding together, comma-separated",
+    requests: str = typer.Option("1,2,4,8", "--requests", help="Requests decoding together",
                                  metavar="B,…"),
     policies: str = typer.Option("parent,auto", "--policies", help="Comma-separated policies", metavar="NAMES"),
     hold: str = typer.Option("priced", "--hold", help="priced, off, or both: priced,off", metavar="MODES"),

@@ -19,10 +19,10 @@ def register(app: typer.Typer) -> None:
                      "process per role.")(calls)
 
 
-@with_settings("runtime.family", "runtime.parent", "runtime.threads")
+@with_settings("runtime.family", "runtime.parent", "runtime.threads", "runtime.deterministic")
 def calls(
     roles: Optional[str] = typer.Option(None, "--roles", help="Comma-separated roles", metavar="NAMES",
-                                        show_default="the parent and every draft"),
+                                        show_default="all"),
     sizes: str = typer.Option("1,2,4,8,16,32,64", "--sizes", help="Tokens per call", metavar="N,…"),
     reps: int = typer.Option(7, "--repeats", "--reps", min=1, max=101, help="Timings per size (the median counts)"),
     positions: str = typer.Option("64,1024", "--positions", metavar="N,…",

@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
                      "perplexity on held text; --make quantizes the recipes the family lacks first.")(drafts)
 
 
-@with_settings("runtime.family", "runtime.parent", "runtime.threads", "decoding.gamma")
+@with_settings("runtime.family", "runtime.parent", "runtime.threads", "decoding.gamma", "runtime.deterministic")
 def drafts(
     roles: Optional[str] = typer.Option(None, "--roles", help="Comma-separated draft roles", metavar="NAMES",
                                         show_default="every draft"),

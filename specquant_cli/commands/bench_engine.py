@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
                      "calls.")(engine)
 
 
-@with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads")
+@with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.deterministic")
 def engine(
     drafters: str = typer.Option("q4,q8,ngram", "--drafters", help="Draft roles, ngram, suffix",
                                  metavar="NAMES"),

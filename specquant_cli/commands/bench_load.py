@@ -28,6 +28,7 @@ from specquant_cli.commands.options import (
     MarkdownOpt,
     command_line,
     finite,
+    int_list,
     split_list,
     with_settings,
 )
@@ -52,7 +53,7 @@ def register(app: typer.Typer) -> None:
 
 
 @with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.mmap",
-               "runtime.parallel")
+               "runtime.parallel", "runtime.deterministic")
 def load_cmd(
     url: Optional[str] = typer.Option(None, "--url", help="A running server's base URL",
                                       show_default=False),
@@ -63,7 +64,7 @@ def load_cmd(
                                                 help="The llama-server for --servers llama:MODE",
                                                 show_default=False),
     repeat: int = typer.Option(1, "--repeats", "--repeat", min=1, max=20,
-                               help="Run --servers this many times in turn (medians)"),
+                               help="Run --servers N times in turn (medians)"),
     model: Optional[str] = typer.Option(None, "--model", help="Model id to ask for",
                                         show_default="the first of /v1/models"),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Sent as Authorization: Bearer KEY",
@@ -86,8 +87,10 @@ def load_cmd(
     edits: bool = typer.Option(False, "--edits", help="Add the built-in code-edit set (each with a prediction)"),
     replay: Optional[Path] = typer.Option(None, "--replay", help="Replay a recorded trace (bench record) in order",
                                           metavar="TRACE", show_default=False),
+    only: Optional[str] = typer.Option(None, "--requests", help="Replay only these (1: its first request)",
+                                       metavar="N,…", show_default="all"),
     prediction: str = typer.Option("on", "--prediction", metavar="MODE",
-                                   help="Predictions: on, off, or wrong (another one's)"),
+                                   help="Predictions: on, off, wrong (another one's)"),
     categories: Optional[str] = CategoriesOpt,
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most N questions per category",
                                         show_default=False),
@@ -121,6 +124,8 @@ def load_cmd(
         raise InputError("--replay sends the trace's requests as recorded: it takes no --dataset, --edits, "
                          "--categories, --limit, --scenario, --turns, --conversations, --rate, --system-tokens or "
                          "--prediction wrong")
+    if only is not None and replay is None:
+        raise InputError("--requests applies to --replay")
     turns = turns if turns is not None else (1 if scenario == "single" else 3)
     if (url is None) == (servers is None):
         raise InputError("give --url (a running server) or --servers (servers started fresh here), one of them")
@@ -139,6 +144,8 @@ def load_cmd(
         from specquant_cli.bench import replay as traces
 
         reqs = traces.read(replay)
+        if only is not None:
+            reqs = [reqs[n - 1] for n in sorted(set(int_list(only, "--requests", 1, len(reqs))))]
         sent, predicted, fields = traces.turns(reqs)
         convs = load.replayed(sent, predicted if prediction == "on" else (), fields)
         scenario, turns = "replay", len(reqs)
@@ -161,7 +168,7 @@ def load_cmd(
               "rate": rate, "seed": seed, "max_tokens": max_tokens, "temperature": 0,
               "system_tokens": (system_tokens or DEFAULT_SYSTEM_TOKENS) if system else None,
               "system_chars": len(system) if system else None, "extra_body": extra,
-              "datasets": ([] if replay is None else [f"replay:{replay}"])
+              "datasets": ([] if replay is None else [f"replay:{replay}" + (f" requests {only}" if only else "")])
               or [*(["edits"] if edits else []), *(str(d) for d in dataset)] or ["builtin"],
               "categories": cats, "limit": limit, "prediction": prediction,
               "timeout_s": timeout,
@@ -176,7 +183,7 @@ def load_cmd(
     name = load.find_model(base, api_key, model, min(timeout, request_timeout, PROBE_TIMEOUT_S))
     target = load.Target(base, name, max_tokens, api_key, extra, timeout, request_timeout)
     err.print(f"bench load: {base}, model {name}, {how}", markup=False)
-    run_stamp = stamp.take(command_line(), None)  # the server's threads are its own
+    run_stamp = stamp.take(command_line(), None, models_here=False)  # the server's threads are its own
     results, summary = run.go(target)
     judged = None
     if family is not None and any(r.ok for r in results) and not _sampled(extra):

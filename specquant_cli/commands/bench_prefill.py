@@ -19,9 +19,10 @@ def register(app: typer.Typer) -> None:
                      "value: the long prompt's time to its first token and the stream's gaps during it.")(prefill)
 
 
-@with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "decoding.policy")
+@with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "decoding.policy",
+               "runtime.deterministic")
 def prefill(
-    chunks: str = typer.Option("512,128,64", "--prefill-chunk", help="Prefill chunks to compare, comma-separated",
+    chunks: str = typer.Option("512,128,64", "--prefill-chunk", help="Prefill chunks to compare",
                                metavar="N,…"),
     b_tokens: int = typer.Option(1200, "--prompt-tokens", min=64, max=32768,
                                  help="Approximate length of the long prompt"),

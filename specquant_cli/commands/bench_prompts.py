@@ -37,17 +37,17 @@ def register(app: typer.Typer) -> None:
 @with_settings("decoding.temperature", "decoding.seed", "decoding.gamma", "runtime.family",
                "runtime.parent", "runtime.ctx",
                "runtime.threads", "runtime.mmap", "runtime.rpc", "runtime.rpc_timeout",
-               "decoding.draft_memory")
+               "decoding.draft_memory", "runtime.deterministic")
 def prompts(
     dataset: list[Path] = DatasetOpt,
     structured: bool = typer.Option(False, "--structured", help="Add the built-in JSON and tool-call set"),
     edits: bool = typer.Option(False, "--edits", help="Add the built-in code-edit set (each with a prediction)"),
     prediction: str = typer.Option("on", "--prediction", metavar="MODE",
-                                   help="Predictions: on, off, or wrong (another item's)"),
+                                   help="Predictions: on, off, wrong (another item's)"),
     categories: Optional[str] = CategoriesOpt,
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="At most N prompts per category"),
     policies: str = typer.Option(",".join(bench_policies()), "--policies", help="Comma-separated policies",
-                                 metavar="NAMES", show_default="auto,paper,parent,…,q8"),
+                                 metavar="NAMES", show_default="all"),
     max_tokens: int = typer.Option(BENCH_MAX_TOKENS, "--max-tokens", min=1, help="New tokens per answer"),
     repeats: int = typer.Option(1, "--repeats", min=1, help="Timed runs per prompt and policy"),
     warmup: int = typer.Option(1, "--warmup", min=0, help="Untimed runs per model first"),

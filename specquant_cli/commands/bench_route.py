@@ -44,7 +44,7 @@ def route(
     report.check_outputs({"--json-file": json_file, "--markdown": md_out}, inputs=[*dataset, *([cfg.config] if
                                                                                           cfg.config else [])])
     items = datasets.load(dataset, split_list(categories, "--categories", "category"), limit)
-    run_stamp = stamp.take(command_line(), None)  # no model runs: the router reads text
+    run_stamp = stamp.take(command_line(), None, models_here=False)  # no model runs: the router reads text
     router = open_session(SessionSettings.of(cfg)).router
     datasets.check_lengths(items, router.check_length)
     with err.status(f"bench route: scoring {len(items)} prompts"):

@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
                      "the parent.")(rpc)
 
 
-@with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads")
+@with_settings("runtime.family", "runtime.parent", "runtime.ctx", "runtime.threads", "runtime.deterministic")
 def rpc(
     max_tokens: int = typer.Option(BENCH_MAX_TOKENS, "--max-tokens", min=1, max=4096, help="New tokens per answer"),
     prompts: int = typer.Option(2, "--prompts", min=1, max=3, help="How many of the built-in prompts"),
