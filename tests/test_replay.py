@@ -152,6 +152,7 @@ def test_the_shipped_agent_trace_replays_its_tool_turns_as_chat_requests():
     assert '"""Bisection algorithms."""' in sent[1][3]["content"]
     assert [m["role"] for m in sent[3]] == ["system", "user", "assistant", "tool", "assistant", "user", "assistant",
                                             "tool"]
+    assert sent[3][4]["content"].startswith("```python\n")  # output_text parts as the text they make
 
 
 def test_requests_picks_from_the_trace_and_only_from_one():

@@ -91,6 +91,7 @@ def _request(d, where: str) -> Request:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise InputError(f"{where}: messages[{i}] must be an object with a role of {', '.join(ROLES)}")
+    messages = [_flat(m) for m in messages]
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise InputError(f"{where}: 'tools' must be an array of objects")
@@ -108,6 +109,15 @@ def _prediction(p, where: str) -> Optional[str]:
     if not isinstance(content, str):
         raise InputError(f"{where}: 'prediction' must be {{'type': 'content', 'content': text}}")
     return content or None
+
+
+def _flat(message: dict) -> dict:
+    """`message` with content of text parts as the one string they make (what every server reads them as, and what
+    the judge's chat template takes); other content as it is (the server says what is wrong with it)."""
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(c, dict) and isinstance(c.get("text"), str) for c in content):
+        return {**message, "content": "".join(c["text"] for c in content)}
+    return message
 
 
 def turns(reqs: Sequence[Request]) -> tuple[tuple[tuple[dict, ...], ...], tuple[Optional[str], ...], tuple[dict, ...]]:
