@@ -76,3 +76,14 @@ def test_a_greedy_answer_is_the_same_bytes_under_every_policy_cache_state_and_le
     assert _text(session, "auto", prediction=cold[::-1]) == cold  # and from one that does not
     longer = _text(session, "parent", N + 1)
     assert longer.startswith(cold) and len(longer) > len(cold)
+
+
+def test_in_the_deterministic_mode_no_divergence_is_a_near_tie():
+    """The judge's near-tie is batch-vs-single noise; the mode has none, so any divergence there is a failure."""
+    from types import SimpleNamespace
+
+    from specquant_cli.bench.fidelity import NEAR_TIE, UNEXPLAINED, _verdict
+
+    assert _verdict(SimpleNamespace(uniform=False), True) == {"verdict": NEAR_TIE}
+    assert _verdict(SimpleNamespace(uniform=False), False) == {"verdict": UNEXPLAINED}
+    assert _verdict(SimpleNamespace(uniform=True), True) == {"verdict": UNEXPLAINED, "mode": "deterministic"}

@@ -172,3 +172,22 @@ def test_a_request_whose_tool_choice_forces_a_call_is_not_judged():
     assert [_forced(RequestResult(0, 0, [], fields=f)) for f in (
         {}, {"tool_choice": "auto"}, {"tool_choice": "none"}, {"tool_choice": "required"},
         {"tool_choice": {"type": "function", "function": {"name": "f"}}})] == [False, False, False, True, True]
+
+
+@pytest.mark.slow
+def test_the_agent_trace_replays_its_tool_turns_and_judges_what_it_can(real_server, family_dir, tmp_path):
+    """The Agents SDK trace's first two requests through a real server: the forced tool call comes back as a call and
+    is not judged; the rewrite from the tool's output is judged against the parent alone, tools in its prompt."""
+    out, trace = tmp_path / "replay.json", REPO / "specquant_cli" / "bench" / "agents-bisect.trace.jsonl"
+    p = subprocess.run([sys.executable, "-m", "specquant_cli", "bench", "load", "--url", real_server.url,
+                        "--api-key", "none", "--replay", str(trace), "--requests", "1,2", "--max-tokens", "96",
+                        "--family", str(family_dir), "--threads", "1", "--json-file", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(out.read_text())
+    first, second = rep["requests"]
+    assert first["fields"]["tool_choice"] == "required" and first["text"].startswith("<tool_call>\n{")
+    assert first["fidelity"]["verdict"] == "not judged" and rep["fidelity"]["not_judged"] == 1
+    assert [t["function"]["name"] for t in second["fields"]["tools"]] == ["read_file"]
+    assert second["fidelity"]["verdict"] == "identical" and rep["fidelity"]["judged"] == 1
+    assert rep["config"]["datasets"][0].endswith("agents-bisect.trace.jsonl requests 1,2")

@@ -5,7 +5,8 @@ scores a verification batch with slightly different floating-point results than 
 a near-tie (top-2 logits almost equal) the argmax flips. So for each divergence the first differing position
 is re-scored by the parent alone, one token at a time, exactly as the `parent` policy decodes, and compared
 with the batch-vs-single noise measured on this machine. A flip inside the noise between the parent's own
-top two tokens is a `near-tie`; anything else is `unexplained`, which is a bug until shown otherwise."""
+top two tokens is a `near-tie`; anything else is `unexplained`, which is a bug until shown otherwise. In the
+deterministic mode (backend.context) there is no such noise: every divergence is unexplained."""
 
 from __future__ import annotations
 
@@ -164,7 +165,7 @@ def classify(ctx: Context, prompt: Sequence[int], parent: Sequence[int], other: 
     pair = {ours, theirs} == {t1, t2}
     return {"position": k, "parent_token": ours, "policy_token": theirs, "top1": t1, "top2": t2,
             "margin": round(margin, 6), "single_step_pick": "parent" if t1 == ours else "policy" if t1 == theirs
-            else "neither", "top2_pair": pair, "verdict": NEAR_TIE if pair and margin <= bound else UNEXPLAINED}
+            else "neither", "top2_pair": pair, **_verdict(ctx, pair and margin <= bound)}
 
 
 def text_divergence(model, parent: Sequence[int], text: str) -> tuple[Optional[int], bytes]:
@@ -227,8 +228,16 @@ def _classify_at(ctx: Context, prompt: Sequence[int], parent: Sequence[int], k: 
                  None)
     pair = other is not None and ours in (t1, t2)
     return {"position": k, "parent_token": ours, "policy_token": other, "top1": t1, "top2": t2,
-            "margin": round(margin, 6), "top2_pair": pair, "verdict": NEAR_TIE if pair and margin <= bound
-            else UNEXPLAINED}
+            "margin": round(margin, 6), "top2_pair": pair, **_verdict(ctx, pair and margin <= bound)}
+
+
+def _verdict(ctx: Context, tie: bool) -> dict:
+    """A divergence's verdict: a near-tie where the batch-vs-single noise can flip it; in the deterministic mode
+    (`ctx.uniform`: every row computed alike whatever the call) there is no such noise, and any divergence is a
+    failure, unexplained."""
+    if ctx.uniform:
+        return {"verdict": UNEXPLAINED, "mode": "deterministic"}
+    return {"verdict": NEAR_TIE if tie else UNEXPLAINED}
 
 
 def judge_text(ctx: Context, prompt: Sequence[int], text: str, max_tokens: int, bound: float) -> dict:
