@@ -20,9 +20,6 @@ from specquant_cli.backend.llama import Context
 from specquant_cli.errors import InputError
 
 IDENTICAL, NEAR_TIE, UNEXPLAINED = "identical", "near-tie", "unexplained"
-# the F16 rendering alone, beside a parent of another rendering (bench.report's REFERENCE row): other kernels, so its
-# divergences are judged as near-ties even in the deterministic mode, whose promise is one answer per rendering
-OTHER_RENDERING = "parent-f16"
 NOT_JUDGED = "not judged"  # a request the parent alone cannot answer as the server must (a forced tool call)
 
 # Why 2x: the probe sees a few dozen positions and batch shapes; the bench's verification batches meet other
@@ -155,10 +152,10 @@ def rescore(ctx: Context, prompt: Sequence[int], prefix: Sequence[int], grammar=
 
 
 def classify(ctx: Context, prompt: Sequence[int], parent: Sequence[int], other: Sequence[int],
-             bound: float, grammar=None, strict: Optional[bool] = None) -> dict:
+             bound: float, grammar=None) -> dict:
     """Verdict on `other` (a lossless policy's greedy answer) against `parent` (the parent's own): identical,
     a near-tie the noise `bound` can flip between the parent's top two tokens (of those `grammar` allows), or
-    unexplained. `strict` (default: the deterministic mode's, `ctx.uniform`): no divergence is a near-tie."""
+    unexplained."""
     k = first_difference(parent, other)
     if k is None:
         return {"verdict": IDENTICAL}
@@ -168,7 +165,7 @@ def classify(ctx: Context, prompt: Sequence[int], parent: Sequence[int], other: 
     pair = {ours, theirs} == {t1, t2}
     return {"position": k, "parent_token": ours, "policy_token": theirs, "top1": t1, "top2": t2,
             "margin": round(margin, 6), "single_step_pick": "parent" if t1 == ours else "policy" if t1 == theirs
-            else "neither", "top2_pair": pair, **_verdict(ctx, pair and margin <= bound, strict)}
+            else "neither", "top2_pair": pair, **_verdict(ctx, pair and margin <= bound)}
 
 
 def text_divergence(model, parent: Sequence[int], text: str) -> tuple[Optional[int], bytes]:
@@ -234,11 +231,11 @@ def _classify_at(ctx: Context, prompt: Sequence[int], parent: Sequence[int], k: 
             "margin": round(margin, 6), "top2_pair": pair, **_verdict(ctx, pair and margin <= bound)}
 
 
-def _verdict(ctx: Context, tie: bool, strict: Optional[bool] = None) -> dict:
+def _verdict(ctx: Context, tie: bool) -> dict:
     """A divergence's verdict: a near-tie where the batch-vs-single noise can flip it; in the deterministic mode
-    (`ctx.uniform`: every row computed alike whatever the call; or `strict`) there is no such noise, and any divergence
-    is a failure, unexplained."""
-    if ctx.uniform if strict is None else strict:
+    (`ctx.uniform`: every row computed alike whatever the call) there is no such noise, and any divergence is a
+    failure, unexplained."""
+    if ctx.uniform:
         return {"verdict": UNEXPLAINED, "mode": "deterministic"}
     return {"verdict": NEAR_TIE if tie else UNEXPLAINED}
 
@@ -270,7 +267,7 @@ def check(ctx: Context, records: Sequence, prompts: dict[str, list[int]], gamma:
         if r.lossy or r.identical is None or r.item not in reference:
             continue
         verdict = classify(ctx, prompts[r.item], reference[r.item], r.tokens, noise.bound,
-                           (grammars or {}).get(r.item), strict=ctx.uniform and r.policy != OTHER_RENDERING)
+                           (grammars or {}).get(r.item))
         r.fidelity = verdict["verdict"]
         if r.fidelity != IDENTICAL:
             divergences.append({"item": r.item, "policy": r.policy, **verdict})
