@@ -35,7 +35,8 @@ def test_json_schema(report):
     assert len(rep["records"]) == 2 * 2 and {r["category"] for r in rep["records"]} == {"qa", "math"}
     assert set(rep["by_category"]) == {"qa", "math"}
     st = rep["stamp"]
-    assert set(st) == {"specquant", "commit", "python", "llama_cpp_python", "cpu", "threads", "date", "command"}
+    assert set(st) == {"specquant", "commit", "python", "llama_cpp_python", "cpu", "threads", "mode", "date",
+                       "command"}
     assert st["command"] == rep["command"] and st["threads"] == cores() and st["cpu"]
     assert rep["verdict"].startswith("spec-q4 ran ") and "as fast as parent" in rep["verdict"]
     assert rep["verdict"].endswith("2/2 answers identical")

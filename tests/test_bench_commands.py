@@ -22,7 +22,8 @@ def _ok(args, tmp_path):
     assert json.loads(out.read_text()) == rep and md.read_text().startswith("# ")
     assert rep["command"].startswith("specquant")  # this process's arguments (pytest's, in-process)
     st = rep["stamp"]  # what makes the figures reproducible, in every report, at the top of every markdown
-    assert set(st) == {"specquant", "commit", "python", "llama_cpp_python", "cpu", "threads", "date", "command"}
+    assert set(st) == {"specquant", "commit", "python", "llama_cpp_python", "cpu", "threads", "mode", "date",
+                       "command"}
     assert st["command"] == rep["command"] and st["cpu"] and st["date"].endswith("+00:00")
     assert md.read_text().split("\n")[3] == markdown_lines(st)[0]
     return rep, md.read_text(), r.stderr

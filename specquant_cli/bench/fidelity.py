@@ -205,7 +205,9 @@ def classify_text(ctx: Context, prompt: Sequence[int], parent: Sequence[int], te
 
 def _forced(r) -> bool:
     """Whether a replayed request's tool_choice forces a call (required, or a named function)."""
-    return r.fields.get("tool_choice") not in (None, "auto", "none")
+    from specquant_cli.decoding.forms import TOOL_CHOICES
+
+    return r.fields.get("tool_choice") not in (None, *TOOL_CHOICES[:2])  # none and auto leave the model free
 
 
 def _same_calls(model, parent: Sequence[int], text: str) -> bool:
