@@ -21,7 +21,7 @@ import pytest
 from specquant_cli.bench import answer, bounded, load
 from specquant_cli.errors import SpecquantError
 
-from conftest import REPO
+from conftest import REPO, run_cli
 
 READ_S = 30.0  # the per-read timeout of every case: never what ends one
 REQUEST_S = 3.0  # the whole request's deadline
@@ -478,3 +478,24 @@ def test_the_new_options_refuse_what_is_no_positive_number(value):
         r = run_cli(["bench", "load", "--url", "http://127.0.0.1:1", option, value])
         assert r.exit_code == 2 and option in r.stderr
         assert "expected a number above 0" in r.stderr or "not a finite number" in r.stderr
+
+
+def test_a_judge_that_fails_after_the_load_leaves_the_load_s_report(hostile, family_dir, tmp_path, monkeypatch):
+    """Minutes of load are not lost to the judge: its failure (or Ctrl-C) still writes the report, without verdicts,
+    saying why, and the command fails."""
+    from specquant_cli.commands import bench_load
+    from specquant_cli.errors import InputError
+
+    def broken(*a, **k):
+        raise InputError("the judge broke")
+
+    monkeypatch.setattr(bench_load, "_judge", broken)
+    srv = hostile(lambda send, body: send(SSE_HEAD + GOOD + DONE))
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    r = run_cli(["bench", "load", "--url", srv.url, "--conversations", "1", "--family", str(family_dir),
+                 "--json-file", str(out), "--markdown", str(md)])
+    assert r.exit_code == 1 and "the judge broke" in r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["summary"]["requests"]["succeeded"] == 1 and rep["fidelity"] is None
+    assert rep["fidelity_error"] == "the judge did not finish: InputError: the judge broke"
+    assert "Fidelity: not judged (the judge did not finish" in md.read_text()

@@ -403,6 +403,8 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {p['n']} | {_ms(p['mean'])} | {_ms(p['p50'])} | {_ms(p['p95'])} | "
                      f"{_ms(p['p99'])} | {_ms(p['max'])} |")
     f = report.get("fidelity")
+    if report.get("fidelity_error"):
+        lines += ["", f"Fidelity: not judged ({report['fidelity_error']})."]
     if f:
         lines += ["", f"Fidelity against the parent alone ({report['fidelity_family']}): {f['identical']} identical, "
                       f"{f['near_tie']} near-tie, {f['unexplained']} unexplained of {f['judged']}"

@@ -367,6 +367,8 @@ def markdown(rep: dict) -> str:
         ratio = f"{row['vs_first']:.2f}x" if row["vs_first"] else "–"
         lines.append(f"| {row['server']} | {_num(row['output_tokens_per_s'])} | {ratio} | {_num(row['wall_s'])} | "
                      f"{_ms(row['ttft_p50_s'])} | {_ms(row['itl_p50_s'])} | {fid} |")
+    if rep.get("fidelity_error"):
+        lines += ["", f"Fidelity: not judged ({rep['fidelity_error']})."]
     planned = [row for row in rows if row["plans"]]
     if planned:  # what a specquant server said of its answers (llama-server says nothing)
         lines += ["", "Plans each server ran (answers):"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -185,19 +187,18 @@ def load_cmd(
     err.print(f"bench load: {base}, model {name}, {how}", markup=False)
     run_stamp = stamp.take(command_line(), None, models_here=False)  # the server's threads are its own
     results, summary = run.go(target)
+
+    def made(judged: Optional[dict]) -> dict:
+        return {"command": run_stamp["command"], "stamp": run_stamp, "server": {"url": base, "model": name},
+                "config": config, "summary": summary,
+                "fidelity_family": str(family.root) if judged is not None else None, "fidelity": judged,
+                "requests": [r.to_dict() for r in results]}
+
     judged = None
     if family is not None and any(r.ok for r in results) and not _sampled(extra):
-        judged = _judge(family, cfg, [results], max_tokens)[0]
-    rep = {
-        "command": run_stamp["command"],
-        "stamp": run_stamp,
-        "server": {"url": base, "model": name},
-        "config": config,
-        "summary": summary,
-        "fidelity_family": str(family.root) if judged is not None else None,
-        "fidelity": judged,
-        "requests": [r.to_dict() for r in results],
-    }
+        with _kept(lambda: made(None), json_file, md_out, load.markdown):
+            judged = _judge(family, cfg, [results], max_tokens)[0]
+    rep = made(judged)
     err.print(_summary_line(summary, judged), markup=False)
     failure = report.write_outputs(rep, json_file, md_out, render=load.markdown)
     if json_out:
@@ -274,7 +275,9 @@ def _side_by_side(servers: str, llama_server: Optional[Path], family, cfg: Setti
         return results, summary
 
     runs = sides.run(contenders, setup, repeat, load_one, lambda line: err.print(f"bench load: {line}", markup=False))
-    judged = [None] * len(runs) if _sampled(extra) else _judge(family, cfg, [r.results for r in runs], max_tokens)
+    with _kept(lambda: sides.report(runs, contenders, setup, config, run_stamp), json_file, md_out, sides.markdown):
+        judged = [None] * len(runs) if _sampled(extra) else _judge(family, cfg, [r.results for r in runs],
+                                                                   max_tokens)
     for r, j in zip(runs, judged):
         r.fidelity = j
     rep = sides.report(runs, contenders, setup, config, run_stamp)
@@ -284,6 +287,22 @@ def _side_by_side(servers: str, llama_server: Optional[Path], family, cfg: Setti
         out_json(rep)
     if failure:
         raise failure
+
+
+@contextmanager
+def _kept(made: Callable[[], dict], json_file: Optional[Path], md_out: Optional[Path], render) -> Iterator[None]:
+    """The judge runs after the load; should it fail or be stopped (Ctrl-C), the load's report is written without
+    verdicts (`fidelity_error` says why) before the failure goes on, so that minutes of measurement are not lost."""
+    from specquant_cli.bench import report
+
+    try:
+        yield
+    except BaseException as e:
+        rep = made()
+        rep["fidelity_error"] = f"the judge did not finish: {type(e).__name__}" + (f": {e}"[:200] if str(e) else "")
+        if report.write_outputs(rep, json_file, md_out, render=render) is None and (json_file or md_out):
+            err.print("bench load: the load's report was written without verdicts", markup=False)
+        raise
 
 
 def _not_sent_at_deadline(results, turns: int, planned: int) -> int:
