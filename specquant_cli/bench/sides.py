@@ -33,6 +33,8 @@ from specquant_cli.bench.stamp import markdown_lines
 from specquant_cli.errors import InputError, SpecquantError
 from specquant_cli.settings import child_env, settings_table
 
+FIDELITY_COUNTS = ("judged", "not_judged", "identical", "near_tie", "unexplained")  # summed over a server's runs
+
 # llama-server's modes, each at the settings its docs give (docs/speculative.md of the llama.cpp vendored in
 # llama-cpp-python 0.3.36): the n-gram drafters as their sample commands run them.
 LLAMA_MODES = {"plain": [],
@@ -136,9 +138,6 @@ def command(c: Contender, setup: Setup, folder: Path, port: int) -> list[str]:
     table = settings_table()
     flags = [a for k, v in given.items() for a in (table[k].flag, str(v))]
     return [sys.executable, "-m", "specquant_cli", "serve", *flags]
-
-
-FIDELITY_COUNTS = ("judged", "not_judged", "identical", "near_tie", "unexplained")
 
 
 def start(c: Contender, setup: Setup, say: Callable[[str], None]) -> Server:
