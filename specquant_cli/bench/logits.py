@@ -219,19 +219,16 @@ def _beside(fresh, prompt: list[int], text: list[int], ref: list[np.ndarray], sa
 
 
 def report(family, results: dict[str, dict], threads: int, stamp: dict, machine: dict) -> dict:
-    from specquant_cli.settings import deterministic
-
     return {"command": stamp["command"], "stamp": stamp, "machine": machine,
             "family": {"name": family.name, "root": str(family.root), "parent": family.parent_rendering},
-            "threads": threads, "deterministic": deterministic(), "models": results}
+            "threads": threads, "models": results}  # the mode the rows were computed in: the stamp's
 
 
 def markdown(rep: dict) -> str:
     lines = [f"# Logits by how they were computed: {rep['family']['name']}", "",
              f"- command: `{rep['command']}`", *markdown_lines(rep.get("stamp")),
-             f"- {rep['threads']} threads, {'deterministic' if rep.get('deterministic') else 'default'} mode; the "
-             "reference: the prompt prefilled in one batch, then one token at a time; each case's rows against the "
-             "reference's at the same positions", ""]
+             f"- {rep['threads']} threads; the reference: the prompt prefilled in one batch, then one token at a time; "
+             "each case's rows against the reference's at the same positions", ""]
     for role, r in rep["models"].items():
         if "error" in r:
             lines += [f"## {role}: {r['error']}", ""]
