@@ -1,14 +1,17 @@
 """The deterministic mode (`--deterministic`, backend.context's uniform contexts) on the small family with real
 llama.cpp contexts: every way one request can compute a row gives the same bits as one token at a time (`bench
-logits`: verification batches, a restored prefix, other prefill chunks, other threads; two sequences decoding in one
-shared cache are the documented exception), and a greedy answer is the same bytes under every policy, with the prompt
-cache cold or warm, with a prediction that holds and one that does not, and at max_tokens N and N+1."""
+logits`: verification batches, a restored prefix, other prefill chunks, other threads, another slot decoding between
+its calls), a greedy answer is the same bytes under every policy, with the prompt cache cold or warm, with a
+prediction that holds and one that does not, and at max_tokens N and N+1; and through a real server with four slots,
+a request gets the bytes it gets alone while the others decode (greedy under every policy, and seeded sampling)."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from test_serve import KEY, ServerProc
 
 from conftest import run_cli
 
@@ -22,10 +25,8 @@ def test_every_way_of_computing_a_row_is_bit_equal_in_the_deterministic_mode(fam
     report = json.loads(out.read_text())
     assert report["stamp"]["mode"] == "deterministic"  # the report says the mode its rows were computed in
     [(_, rep)] = report["models"].items()
+    assert "beside a slot" in {c["case"] for c in rep["cases"]}
     for c in rep["cases"]:
-        if c["case"] == "beside a slot":  # the documented limit: two sequences' cells interleave in one shared cache
-            assert c["rows"] == 24
-            continue
         assert c["rows"] and c["bit_equal"] == c["rows"] and c["max_diff"] == 0.0, c
 
 
@@ -87,3 +88,40 @@ def test_in_the_deterministic_mode_no_divergence_is_a_near_tie():
     assert _verdict(SimpleNamespace(uniform=False), True) == {"verdict": NEAR_TIE}
     assert _verdict(SimpleNamespace(uniform=False), False) == {"verdict": UNEXPLAINED}
     assert _verdict(SimpleNamespace(uniform=True), True) == {"verdict": UNEXPLAINED, "mode": "deterministic"}
+
+
+SYSTEM = "You are the archivist of a small coastal museum. Answer in full sentences. " * 10
+QUESTIONS = ("Which ship is the oldest?", "When does the museum open?", "Who founded the museum?",
+             "What is in the cellar?")
+SLOT_POLICIES = ("parent", "spec-q4", "suffix", "auto")
+
+
+@pytest.mark.slow
+def test_four_slots_give_each_request_the_bytes_it_gets_alone(family_dir):
+    """Each slot a cache of its own (runtime.pool.ModelPool.own_caches): a request decoding while three others do, and
+    a system prompt copied from another slot's cells, change no bit of an answer."""
+    s = ServerProc(["--family", str(family_dir), "--parallel", "4", "--deterministic", "--policy", "parent",
+                    "--policies", ",".join(SLOT_POLICIES), "--api-key", KEY, "--cache-ram", "64"])
+    try:
+        assert {kv["sequences"] for kv in s.health()["kv"].values()} == {4}
+
+        def ask(q: str, policy: str = "parent", n: int = N, **sampling) -> str:
+            r = s.client().chat.completions.create(
+                model="m", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                max_tokens=n, extra_body={"specquant_policy": policy}, **({"temperature": 0} | sampling))
+            return r.choices[0].message.content
+
+        alone = [ask(q) for q in QUESTIONS]  # one at a time: the later ones copy the system prompt from a slot
+        assert s.health()["prompt_cache"]["copied_tokens"] > 100
+        seeded = ask(QUESTIONS[0], temperature=0.9, seed=11)
+        with ThreadPoolExecutor(5) as pool:
+            for _ in range(2):  # with the slots' caches cold, then holding the last round's answers
+                jobs = [pool.submit(ask, q, p) for q, p in zip(QUESTIONS, SLOT_POLICIES)]
+                sampled = pool.submit(ask, QUESTIONS[0], "parent", N, temperature=0.9, seed=11)
+                assert [j.result() for j in jobs] == alone
+                assert sampled.result() == seeded
+            longer = [pool.submit(ask, q, p, N + 1) for q, p in zip(QUESTIONS, reversed(SLOT_POLICIES))]
+            for got, want in zip(longer, alone):
+                assert got.result().startswith(want)
+    finally:
+        s.stop()

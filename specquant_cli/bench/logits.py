@@ -199,8 +199,14 @@ def _chunked(fresh, prompt: list[int], text: list[int], ref: list[np.ndarray], s
 
 
 def _beside(fresh, prompt: list[int], text: list[int], ref: list[np.ndarray], say) -> Case:
-    """The answer one token a call, each call also holding a token of another sequence (two slots of one server)."""
+    """The answer one token a call, beside another sequence decoding as a server's second slot does: in the same
+    call (one shared cache), or in the deterministic mode in a cache of its own, the two calls in turn
+    (runtime.pool.ModelPool.own_caches)."""
+    from specquant_cli.settings import deterministic
+
     say("beside another sequence")
+    if deterministic():
+        return _beside_own(fresh, prompt, text, ref)
     c = Case("beside a slot", "each call also decoding another sequence's token (two slots of one server)")
     ctx = fresh(n_seq=2)
     try:
@@ -215,6 +221,25 @@ def _beside(fresh, prompt: list[int], text: list[int], ref: list[np.ndarray], sa
             c.add(ctx.logits(0).copy(), ref[i])
     finally:
         ctx.close()
+    return c
+
+
+def _beside_own(fresh, prompt: list[int], text: list[int], ref: list[np.ndarray]) -> Case:
+    c = Case("beside a slot", "another sequence decoding in a cache of its own between this one's calls (two slots "
+             "of one server in the deterministic mode)")
+    ctx, other_ctx = fresh(), fresh()
+    try:
+        body = prompt[:-1]
+        ctx.decode(body, logits="none")
+        other = list(reversed(body))
+        other_ctx.decode(other, logits="none")
+        for i, tok in enumerate([prompt[-1], *text[:-1]]):
+            ctx.decode([tok], logits="last")
+            c.add(ctx.logits(-1).copy(), ref[i])
+            other_ctx.decode([other[i % len(other)]], logits="last")
+    finally:
+        ctx.close()
+        other_ctx.close()
     return c
 
 

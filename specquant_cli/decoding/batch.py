@@ -1,5 +1,6 @@
 """Several requests decoding together: one llama.cpp context per model, one sequence id per request, and
-each parent call shared by every request that needs one.
+each parent call shared by every request that needs one (in the deterministic mode, a context per model and
+request: runtime.pool.ModelPool.own_caches; the rounds then run each request's call in turn).
 
 Each request runs on its own thread with its own engine, exactly as it would alone; only its contexts
 differ: a `SeqView` is one sequence of a shared context. A view's `decode` does not call llama.cpp itself.
@@ -183,12 +184,11 @@ class Batcher:
     def _split(self, pending: list[Call]) -> tuple[list[Call], list[Call]]:
         """(the round's calls, those held for the next): with calls for several models waiting, the heaviest
         model's (the parent's) are held, up to hold_s after they came, while the others run."""
-        ctxs = {id(c.ctx): c.ctx for c in pending}
-        if len(ctxs) < 2:
+        weights = {self._weight(c.ctx) for c in pending}  # by model: slots with contexts of their own share one
+        if len(weights) < 2:
             return pending, []
-        heavy = max(ctxs, key=lambda k: self._weight(ctxs[k]))
-        now, hold = time.monotonic(), self.hold_s()
-        held = [c for c in pending if id(c.ctx) == heavy and now - c.since < hold]
+        heavy, now, hold = max(weights), time.monotonic(), self.hold_s()
+        held = [c for c in pending if self._weight(c.ctx) == heavy and now - c.since < hold]
         return [c for c in pending if not any(c is h for h in held)], held
 
     def _weight(self, ctx) -> int:

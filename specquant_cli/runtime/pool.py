@@ -1,5 +1,6 @@
 """The model pool: a session's models, loaded lazily per family role, checked against the placement plan
-first, kept loaded until released; one llama.cpp context per loaded role."""
+first, kept loaded until released; one llama.cpp context per loaded role (in the deterministic mode with several
+sequences, one per role and sequence: `own_caches`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from specquant_cli.decoding.protocols import TokenContext
 from specquant_cli.errors import ResourceError
 from specquant_cli.family.manifest import Family
 from specquant_cli.family.roles import PARENT_ROLE
-from specquant_cli.settings import DEFAULT_RPC_TIMEOUT_S
+from specquant_cli.settings import DEFAULT_RPC_TIMEOUT_S, deterministic
 
 # A draft no plan has used for this long is released (its weights and KV cache; the next plan that picks it loads it
 # again, from the page cache when the machine has room): ollama unloads an idle model after 5 minutes too.
@@ -60,7 +61,8 @@ class ModelPool:
         self.parallel = max(1, parallel)
         self.threads = threads
         self._facts = facts
-        self._ctx: dict[str, Context] = {}
+        self._ctx: dict[str, Context] = {}  # role -> its context (sequence i: slot i's), or slot 0's own
+        self._more: dict[str, list[Context]] = {}  # own_caches: role -> slots 1..N-1's contexts
         self._vocab: Optional[Model] = None
         self._workers = None  # the RPC workers as last probed
         self._used: dict[str, float] = {}  # role -> when a plan last asked for it (time.monotonic)
@@ -76,9 +78,28 @@ class ModelPool:
     def loaded(self) -> list[str]:
         return list(self._ctx)
 
+    @property
+    def own_caches(self) -> bool:
+        """Whether each sequence has a context of its own: in the deterministic mode with several sequences. In one
+        shared cache a sequence's cells fall where the others' leave room, and the attention over them sums in
+        another order; in a cache of its own they fall where they would alone, so a row is computed as alone. The
+        price: sequences no longer share a parent call (serving.slots: they take turns)."""
+        return self.parallel > 1 and deterministic()
+
     def contexts(self) -> dict[str, Context]:
-        """The loaded roles' contexts (a slot's view wraps each)."""
+        """The loaded roles' contexts (slot 0's where `own_caches`)."""
         return dict(self._ctx)
+
+    def slot_contexts(self, slot: int) -> dict[str, tuple[Context, int]]:
+        """Slot `slot`'s (context, sequence) of each loaded role: sequence `slot` of the shared context, or sequence 0
+        of its own (`own_caches`)."""
+        if not self.own_caches:
+            return {role: (ctx, slot) for role, ctx in self._ctx.items()}
+        return {role: (ctx if slot == 0 else self._more[role][slot - 1], 0) for role, ctx in self._ctx.items()}
+
+    def kv_positions(self, role: str) -> int:
+        """Positions the KV caches of `role` hold for every sequence together."""
+        return self._ctx[role].n_ctx + sum(c.n_ctx for c in self._more.get(role, []))
 
     def tokenizer(self) -> Model:
         """The parent's vocabulary (no weights unless the parent is already loaded)."""
@@ -103,10 +124,15 @@ class ModelPool:
                 model = Model(self.family.path(role), n_gpu_layers=placement.gpu_layers.get(role, 0), mmap=self.mmap)
             if self._ctx:  # every model of a session must speak the same vocabulary
                 check_same_vocab(next(iter(self._ctx.values())).model, model)
-            # One KV cache for all sequences (unified): with a cache per sequence llama.cpp splits a batch whose
-            # sequence ids are out of order or have gaps into one pass each (decoding.batch._chunks).
-            self._ctx[role] = Context(model, self.n_ctx * self.parallel, n_threads=self.threads,
-                                      n_seq_max=self.parallel, kv_unified=self.parallel > 1)
+            if self.own_caches:
+                self._ctx[role] = Context(model, self.n_ctx, n_threads=self.threads)
+                self._more[role] = [Context(model, self.n_ctx, n_threads=self.threads)
+                                    for _ in range(self.parallel - 1)]
+            else:
+                # One KV cache for all sequences (unified): with a cache per sequence llama.cpp splits a batch whose
+                # sequence ids are out of order or have gaps into one pass each (decoding.batch._chunks).
+                self._ctx[role] = Context(model, self.n_ctx * self.parallel, n_threads=self.threads,
+                                          n_seq_max=self.parallel, kv_unified=self.parallel > 1)
             if self.rpc and role == PARENT_ROLE:
                 from specquant_cli.system import rpc
 
@@ -161,8 +187,9 @@ class ModelPool:
         """Unload `roles` (their models and contexts); a later plan that needs one loads it again."""
         for r in roles:
             ctx = self._ctx.pop(r, None)
+            self._more.pop(r, None)
             if ctx is not None:
-                ctx.model.close()
+                ctx.model.close()  # frees its contexts first
 
     def release_idle(self, idle_s: Optional[float] = None) -> list[str]:
         """Release the drafts no plan has asked for in `idle_s` seconds (default IDLE_RELEASE_S; the parent stays);
@@ -175,13 +202,14 @@ class ModelPool:
 
     def reset_caches(self) -> None:
         """Empty every KV cache (the bench's fresh-request state)."""
-        for c in self._ctx.values():
+        for c in [*self._ctx.values(), *(c for more in self._more.values() for c in more)]:
             c.reset()
 
     def close(self) -> None:
         for c in self._ctx.values():
-            c.model.close()  # frees its context first
+            c.model.close()  # frees its contexts first
         self._ctx.clear()
+        self._more.clear()
         if self._vocab is not None:
             self._vocab.close()
             self._vocab = None

@@ -152,9 +152,12 @@ class PrefixSharing:
             donors = [(common_prefix(v.tokens, tokens), v) for v in self._peers(view)]
             shared, donor = max(donors, key=lambda d: d[0], default=(0, None))
             if donor is not None and shared >= own + MIN_REUSE and shared >= n:
-                view.rewind(own)
-                view.ctx.copy_seq(donor.seq, view.seq, own, shared)
-                view.tokens[:] = tokens[:shared]
+                if donor.ctx is view.ctx:  # one cache: the cells become the view's too
+                    view.rewind(own)
+                    view.ctx.copy_seq(donor.seq, view.seq, own, shared)
+                    view.tokens[:] = tokens[:shared]
+                elif not _copy_state(donor, view, shared):  # a cache of its own: the donor's cells as bytes
+                    return
                 self.counts["copied_tokens"] += shared - own
                 return
         if self.cache is None:
@@ -182,3 +185,13 @@ class PrefixSharing:
              "dir": None}
         return {**cache, "restored_tokens": self.counts["restored_tokens"],
                 "copied_tokens": self.counts["copied_tokens"]}
+
+
+def _copy_state(donor, view, n: int) -> bool:
+    """`view` (a sequence of another context) holds the first `n` positions of `donor`'s cells, copied as llama.cpp
+    serializes them: the same bytes, so its rows are computed as if it had computed that prefix. False (and `view`
+    empty) where llama.cpp refuses the state."""
+    if not view.import_state(donor.export_state(), donor.tokens):
+        return False
+    view.rewind(n)
+    return True

@@ -100,8 +100,8 @@ class Service:
     def kv(self) -> dict:
         """The KV cache of each model loaded now (a draft released after idling is gone, one loaded later is there):
         positions for every sequence that runs, and sequences. Read from the pool's table as it stands (a copy)."""
-        return {role: {"positions": ctx.n_ctx, "sequences": ctx.n_seq_max}
-                for role, ctx in self.runtime.pool.contexts().items()}
+        pool = self.runtime.pool
+        return {role: {"positions": pool.kv_positions(role), "sequences": pool.parallel} for role in pool.contexts()}
 
     def prompt_cache_status(self) -> Optional[dict]:
         """The prompt cache's use and budget, and the prefixes taken from it and from other slots (None: no

@@ -51,8 +51,8 @@ class SlotPool:
         self.threads = pool.threads
         self.rpc = pool.rpc
         self.draft_roles = pool.draft_roles
-        self._views = {role: SeqView(ctx, slot, batcher, pool.n_ctx, prefill_chunk)
-                       for role, ctx in pool.contexts().items()}
+        self._views = {role: SeqView(ctx, seq, batcher, pool.n_ctx, prefill_chunk)
+                       for role, (ctx, seq) in pool.slot_contexts(slot).items()}
 
     @property
     def facts(self):
@@ -112,11 +112,15 @@ class Slots:
     def __init__(self, shared: Runtime, n: int, prefill_chunk: Optional[int] = None, hold: bool = True):
         """`hold`: the parent's calls wait beside draft calls for as long as the round pacer prices them (False:
         never: what `specquant bench batch --hold off` measures the hold against)."""
+        # Slots with caches of their own (the deterministic mode: runtime.pool.ModelPool.own_caches) share no call:
+        # they take turns, each planning as if alone, and a parent call waits for nothing.
+        self.shared_calls = not getattr(shared.pool, "own_caches", False)
         self.pacer = RoundPacer(lambda: shared.costs.calibration(measure=False), lambda: self.batcher.active)
-        self.batcher = Batcher(hold_s=self.pacer.hold_s if hold else (lambda: 0.0))
+        self.batcher = Batcher(hold_s=self.pacer.hold_s if hold and self.shared_calls else (lambda: 0.0))
         self.in_flight: Callable[[], int] = lambda: 1
-        self.runtimes = [slot_runtime(shared, i, self.batcher, self.batch_size, prefill_chunk, self.pacer,
-                                      lambda i=i: self.cells_besides(i))
+        self.runtimes = [slot_runtime(shared, i, self.batcher, self.batch_size if self.shared_calls else lambda: 1,
+                                      prefill_chunk, self.pacer,
+                                      (lambda i=i: self.cells_besides(i)) if self.shared_calls else lambda: 0)
                          for i in range(min(n, shared.pool.parallel))]
         self._route_lock = threading.Lock()
 
@@ -161,10 +165,16 @@ class LockedRouter:
 def parallel_for(family, facts, threads: int, rpc: list[str]) -> tuple[int, str]:
     """How many sequences to decode together when --parallel does not say, decided before any model loads: what
     this machine's stored calibration of the family says pays (best_parallel), else what the prior cost curve
-    says (decoding.gamma.verify_shape). Returns (n, "this machine's calibration"), or (the prior's n, None)."""
+    says (decoding.gamma.verify_shape). Returns (n, "this machine's calibration"), or (the prior's n, None). In the
+    deterministic mode, one: there each sequence has a cache of its own and they take turns (SlotPool), so more
+    decode no faster together."""
     from specquant_cli.decoding.gamma import verify_shape
+    from specquant_cli.settings import deterministic
     from specquant_cli.system import calibration_file as cal
     from specquant_cli.system.hardware import detect
+
+    if deterministic():
+        return 1, "the deterministic mode (sequences there take turns)"
 
     c = cal.load(family.root, cal.fingerprint(facts if facts is not None else detect(), threads, rpc,
                                               parent=family.parent_rendering))

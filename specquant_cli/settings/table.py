@@ -93,9 +93,10 @@ def _declare() -> dict[str, Setting]:
                 "--deterministic", panel="Options",
                 doc="Every row llama.cpp computes goes through the same kernels whatever the call: a lone token is "
                     "decoded beside a companion in a scratch sequence and every call keeps two output rows or none, "
-                    "so a greedy answer is the same bit for bit under every policy, prompt cache state, prefill "
-                    "chunking and slot batch (`specquant bench logits` shows it). Costs a second row on each "
-                    "one-token call."),
+                    "and each of serve's slots has a cache of its own, so a greedy answer is the same bit for bit "
+                    "under every policy, prompt cache state, prefill chunking and slot (`specquant bench logits` "
+                    "shows it). Costs a second row on each one-token call, and serve's slots take turns instead of "
+                    "sharing the parent's calls (--parallel is 1 unless given)."),
         Setting("runtime", "rpc", str, None, "Run the parent's layers on llama.cpp RPC workers", "--rpc",
                 check=check_rpc, many=True, optional=True, shown="none", metavar="HOST:PORT,…",
                 doc="HOST:PORT[,HOST:PORT…] of `specquant worker`s (a TOML array too); drafts stay here."),
