@@ -89,7 +89,8 @@ def run(path: str, threads: int, prompt_text: str = TEXT, answer_tokens: int = A
             cases.append(_beside(fresh, prompt, text, ref, say))
             if other_threads and other_threads != threads:
                 say(f"{other_threads} threads")
-                c = Case(f"{other_threads} threads", f"the reference's way on {other_threads} threads, not {threads}")
+                n = f"{other_threads} thread{'s' if other_threads != 1 else ''}"
+                c = Case(n, f"the reference's way on {n}, not {threads}")
                 other = fresh(n_threads=other_threads)
                 try:
                     _, rows = _reference(other, prompt, answer_tokens, text)
