@@ -125,3 +125,17 @@ def test_four_slots_give_each_request_the_bytes_it_gets_alone(family_dir):
                 assert got.result().startswith(want)
     finally:
         s.stop()
+
+
+def test_in_the_deterministic_mode_verdicts_are_identical_or_differing():
+    """Reports of answers judged in the deterministic mode count identical and differing only (no near-tie excuse)."""
+    from specquant_cli.bench import fidelity, report, sides
+
+    exact = {"identical": 7, "near_tie": 0, "unexplained": 1, "exact": True}
+    noisy = {"identical": 5, "near_tie": 2, "unexplained": 1}
+    assert fidelity.cell(exact) == "7/1" and fidelity.cell(noisy) == "5/2/1" and fidelity.cell(None) == "–"
+    assert "ident/differ" in [c.header for c in report.columns([{"fidelity": exact}])]
+    assert "ident/tie/unexpl" in [c.header for c in report.columns([{"fidelity": noisy}])]
+    summed = sides._summed([exact, exact])
+    assert summed["exact"] and summed["identical"] == 14 and fidelity.shown(summed) == [("identical", 14),
+                                                                                       ("differing", 2)]

@@ -342,4 +342,23 @@ def judge(results: Sequence, parent: ParentAnswers,
     ctx.reset()
     return {"judged": len(todo), "not_judged": sum(1 for r in results if r.ok and _forced(r)),
             "identical": counts[IDENTICAL], "near_tie": counts[NEAR_TIE],
-            "unexplained": counts[UNEXPLAINED], "noise": noise.to_dict(), "divergences": divergences}
+            "unexplained": counts[UNEXPLAINED], "noise": noise.to_dict(), "divergences": divergences,
+            **({"exact": True} if ctx.uniform else {})}
+
+
+def shown(counts: dict) -> list[tuple[str, int]]:
+    """Verdict counts as reports show them: identical, near-tie, unexplained; judged in the deterministic mode
+    (`exact`), identical and differing only, since a near-tie is no excuse there."""
+    if counts.get("exact"):
+        return [("identical", counts["identical"]), ("differing", counts["near_tie"] + counts["unexplained"])]
+    return [("identical", counts["identical"]), ("near-tie", counts["near_tie"]),
+            ("unexplained", counts["unexplained"])]
+
+
+def header(exact: bool) -> str:
+    """The verdicts column's header (`shown`'s counts)."""
+    return "ident/differ" if exact else "ident/tie/unexpl"
+
+
+def cell(counts: Optional[dict]) -> str:
+    return "–" if counts is None else "/".join(str(n) for _, n in shown(counts))

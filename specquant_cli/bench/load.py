@@ -406,8 +406,10 @@ def markdown(report: dict) -> str:
     if report.get("fidelity_error"):
         lines += ["", f"Fidelity: not judged ({report['fidelity_error']})."]
     if f:
-        lines += ["", f"Fidelity against the parent alone ({report['fidelity_family']}): {f['identical']} identical, "
-                      f"{f['near_tie']} near-tie, {f['unexplained']} unexplained of {f['judged']}"
+        from specquant_cli.bench import fidelity
+
+        lines += ["", f"Fidelity against the parent alone ({report['fidelity_family']}): "
+                      + ", ".join(f"{n} {name}" for name, n in fidelity.shown(f)) + f" of {f['judged']}"
                       + (f" ({f['not_judged']} not: a forced tool call)" if f.get("not_judged") else "")
-                      + f"; near-tie bound {f['noise']['bound']:.3g}."]
+                      + ("." if f.get("exact") else f"; near-tie bound {f['noise']['bound']:.3g}.")]
     return "\n".join(lines) + "\n"

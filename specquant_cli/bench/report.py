@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+from specquant_cli.bench import fidelity
 from specquant_cli.bench.fidelity import IDENTICAL, NEAR_TIE, UNEXPLAINED
 from specquant_cli.errors import InputError, SpecquantError
 from specquant_cli.fsutil import atomic_open, check_output_file, same_file, write_json_atomic, write_text_atomic
@@ -138,8 +139,10 @@ def fidelity_counts(records: Sequence) -> Optional[dict]:
     verdicts = [r.fidelity for r in records if r.fidelity is not None]
     if not verdicts:
         return None
+    from specquant_cli.settings import deterministic
+
     return {"identical": verdicts.count(IDENTICAL), "near_tie": verdicts.count(NEAR_TIE),
-            "unexplained": verdicts.count(UNEXPLAINED)}
+            "unexplained": verdicts.count(UNEXPLAINED), **({"exact": True} if deterministic() else {})}
 
 
 def by_category(records: Sequence, policies: Sequence[str]) -> dict[str, list[dict]]:
@@ -157,12 +160,6 @@ def _fmt(v, pct=False, x=False) -> str:
     if x:
         return f"{v:.2f}x"
     return f"{v:.2f}" if isinstance(v, float) else str(v)
-
-
-def _fidelity_cell(counts: Optional[dict]) -> str:
-    if counts is None:
-        return "–"
-    return f"{counts['identical']}/{counts['near_tie']}/{counts['unexplained']}"
 
 
 def _q4_cell(key: str) -> Callable[[dict], str]:
@@ -227,7 +224,7 @@ COLUMNS = (
     Column("of q4", _q4_cell("q4_share"), holds=_has("q4_share")),  # q4 ran
     Column("of q4 decode", _q4_cell("q4_decode_share"), wide=True),
     Column("identical", lambda s: _fmt(s["identical_rate"], pct=True), wide=True),
-    Column("ident/tie/unexpl", lambda s: _fidelity_cell(s.get("fidelity"))),  # against the parent's answers
+    Column(fidelity.header(False), lambda s: fidelity.cell(s.get("fidelity"))),  # against the parent's answers
     Column("valid", _valid_cell, holds=lambda s: bool(s.get("structured"))),  # structured items ran
     Column("forced", lambda s: _fmt(s.get("forced_share"), pct=True), holds=lambda s: bool(s.get("structured"))),
     Column("prediction acc/rej", _prediction_cell, holds=lambda s: bool(s.get("predicted"))),  # predictions sent
@@ -243,9 +240,10 @@ COLUMNS = (
 
 def columns(summary: Sequence[dict], wide: bool = False) -> list[Column]:
     """The columns a table of `summary` shows: the default ones and each conditional one some row holds data for;
-    every column when `wide`."""
-    return [c for c in COLUMNS
-            if wide or (not c.wide and (c.holds is None or any(c.holds(s) for s in summary)))]
+    every column when `wide`. Verdicts judged in the deterministic mode are headed as such (bench.fidelity.shown)."""
+    exact = any((s.get("fidelity") or {}).get("exact") for s in summary)
+    return [c._replace(header=fidelity.header(True)) if exact and c.header == fidelity.header(False) else c
+            for c in COLUMNS if wide or (not c.wide and (c.holds is None or any(c.holds(s) for s in summary)))]
 
 
 def rows(summary: Sequence[dict], cols: Optional[Sequence[Column]] = None) -> list[list[str]]:
@@ -300,8 +298,7 @@ def verdict(summary: Sequence[dict]) -> Optional[str]:
     if f:
         judged = f["identical"] + f["near_tie"] + f["unexplained"]
         line += f", {f['identical']}/{judged} answers identical"
-        line += "".join(f", {f[k]} {name}" for k, name in (("near_tie", "near-tie"), ("unexplained", "unexplained"))
-                        if f[k])
+        line += "".join(f", {n} {name}" for name, n in fidelity.shown(f)[1:] if n)
     else:
         line += ", answers not judged against the parent's"
     faster = [s for s in others if s["lossy"] and s["speedup"] > best["speedup"]]

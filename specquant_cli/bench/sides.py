@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from specquant_cli.bench import fidelity
 from specquant_cli.bench.stamp import markdown_lines
 from specquant_cli.errors import InputError, SpecquantError
 from specquant_cli.settings import child_env, settings_table
@@ -274,7 +275,7 @@ def report(runs: Sequence[Run], contenders: Sequence[Contender], setup: Setup, c
                      "wall_s": _median([r.summary["wall_s"] for r in mine]),
                      "ttft_p50_s": _median([r.summary["ttft_s"]["p50"] for r in mine]),
                      "itl_p50_s": _median([r.summary["itl_s"]["p50"] for r in mine]),
-                     "fidelity": {k: sum(f.get(k, 0) for f in fid) for k in FIDELITY_COUNTS} if fid else None,
+                     "fidelity": _summed(fid),
                      "prediction": _prediction(mine),
                      "cached_share": _cached_share(mine),
                      "plans": _plans(mine)})
@@ -358,11 +359,11 @@ def markdown(rep: dict) -> str:
              f"- family {rep['family']}, parent {rep['parent']}, {rep['threads']} threads, {c['max_tokens']} max "
              f"tokens, greedy, {c['concurrency'] or 'no cap on those'} in flight; each server started fresh, one at "
              "a time" + (f", {runs} times in turn (medians)" if runs > 1 else ""), "",
-             f"| server | out tok/s | × {rows[0]['server']} | wall s | TTFT p50 ms | ITL p50 ms | ident/tie/unexpl |",
+             f"| server | out tok/s | × {rows[0]['server']} | wall s | TTFT p50 ms | ITL p50 ms | "
+             f"{fidelity.header(any((r['fidelity'] or {}).get('exact') for r in rows))} |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
-        f = row["fidelity"]
-        fid = f"{f['identical']}/{f['near_tie']}/{f['unexplained']}" if f else "–"
+        fid = fidelity.cell(row["fidelity"])
         ratio = f"{row['vs_first']:.2f}x" if row["vs_first"] else "–"
         lines.append(f"| {row['server']} | {_num(row['output_tokens_per_s'])} | {ratio} | {_num(row['wall_s'])} | "
                      f"{_ms(row['ttft_p50_s'])} | {_ms(row['itl_p50_s'])} | {fid} |")
@@ -403,3 +404,12 @@ def _num(x: Optional[float]) -> str:
 
 def _ms(x: Optional[float]) -> str:
     return "–" if x is None else f"{1000 * x:.0f}"
+
+
+def _summed(fid: list[dict]) -> Optional[dict]:
+    """A server's verdict counts summed over its runs (None: none judged), exact where they were judged in the
+    deterministic mode (bench.fidelity.shown)."""
+    if not fid:
+        return None
+    return {**{k: sum(f.get(k, 0) for f in fid) for k in FIDELITY_COUNTS},
+            **({"exact": True} if any(f.get("exact") for f in fid) else {})}

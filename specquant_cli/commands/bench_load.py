@@ -377,6 +377,7 @@ def _summary_line(s: dict, judged: Optional[dict]) -> str:
     if s.get("prediction_accepted") is not None:
         line += f"; prediction {s['prediction_accepted']} accepted / {s['prediction_rejected']} rejected"
     if judged is not None:
-        line += (f"; fidelity {judged['identical']} identical / {judged['near_tie']} near-tie / "
-                 f"{judged['unexplained']} unexplained")
+        from specquant_cli.bench.fidelity import shown
+
+        line += "; fidelity " + " / ".join(f"{n} {name}" for name, n in shown(judged))
     return line
