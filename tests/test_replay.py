@@ -191,3 +191,27 @@ def test_the_agent_trace_replays_its_tool_turns_and_judges_what_it_can(real_serv
     assert [t["function"]["name"] for t in second["fields"]["tools"]] == ["read_file"]
     assert second["fidelity"]["verdict"] == "identical" and rep["fidelity"]["judged"] == 1
     assert rep["config"]["datasets"][0].endswith("agents-bisect.trace.jsonl requests 1,2")
+
+
+def test_a_replayed_request_holds_the_server_s_own_answer_to_an_earlier_one():
+    """Where a request holds an earlier replayed request's messages and then its answer, the answer sent is the one
+    this server gave (a trace recorded with sampling holds answers no greedy server gives); tool calls stay."""
+    sent, _, _ = replay.turns(replay.read(REPO / "specquant_cli" / "bench" / "agents-bisect.trace.jsonl"))
+    mine = replay.with_answers(sent[3], [(sent[0], None), (sent[1], "```python\nmine\n```")])
+    assert mine[4] == {**sent[3][4], "content": "```python\nmine\n```"}
+    assert mine[:4] == list(sent[3][:4]) and mine[5:] == list(sent[3][5:])  # the tool call and its output as recorded
+    assert replay.with_answers(sent[3], [(sent[1], None)]) == list(sent[3])  # a failed turn or a tool call: recorded
+    assert replay.with_answers(sent[3], [(sent[2], "x")]) == list(sent[3])  # not where this request begins
+    assert replay.with_answers(sent[1], [(sent[1], "x")]) == list(sent[1])  # no answer after them
+
+
+@pytest.mark.slow
+def test_a_replayed_rewrite_finds_the_server_s_own_answer_in_its_cache(real_server, family_dir, tmp_path):
+    out, trace = tmp_path / "replay.json", REPO / "specquant_cli" / "bench" / "agents-bisect.trace.jsonl"
+    p = subprocess.run([sys.executable, "-m", "specquant_cli", "bench", "load", "--url", real_server.url,
+                        "--api-key", "none", "--replay", str(trace), "--requests", "2,4", "--max-tokens", "32",
+                        "--json-file", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    first, second = json.loads(out.read_text())["requests"]
+    # the first rewrite's prompt and the server's own (cut) answer to it: the recorded answer would miss after 3 tokens
+    assert second["cached_tokens"] >= first["prompt_tokens"] + 16, (first, second)

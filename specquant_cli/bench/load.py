@@ -53,6 +53,7 @@ from specquant_cli.bench.bounded import (
     read_body,
     size_text,
 )
+from specquant_cli.bench.replay import with_answers
 from specquant_cli.bench.stamp import markdown_lines
 from specquant_cli.errors import InputError, SpecquantError
 
@@ -109,8 +110,9 @@ class Conversation:
     questions: tuple[str, ...]
     system: Optional[str] = None
     predictions: tuple[Optional[str], ...] = ()  # each question's `prediction` (Predicted Outputs), when it has one
-    # a replayed trace (bench.replay): each turn's messages as recorded, sent as they are (`questions` unused), and
-    # each turn's other recorded fields sent with them (tools, tool_choice)
+    # a replayed trace (bench.replay): each turn's messages as recorded, with the server's own answers to earlier
+    # turns in place of the recorded ones (bench.replay.with_answers; `questions` unused), and each turn's other
+    # recorded fields sent with them (tools, tool_choice)
     fixed: tuple[tuple[dict, ...], ...] = ()
     fields: tuple[dict, ...] = ()
 
@@ -253,10 +255,11 @@ async def _run(target: Target, convs: Sequence[Conversation], starts: Sequence[f
             await asyncio.sleep(max(0.0, t0 + start - clock()))
             async with gate:
                 history: list[dict] = [{"role": "system", "content": conv.system}] if conv.system else []
+                answered: list[tuple[Sequence[dict], Optional[str]]] = []  # replayed turns: (recorded, answer)
                 for k in range(conv.turns):
                     if too_late(clock()):
                         return  # no request starts after the run's deadline
-                    messages = list(conv.fixed[k]) if conv.fixed else \
+                    messages = with_answers(conv.fixed[k], answered) if conv.fixed else \
                         [*history, {"role": "user", "content": conv.questions[k]}]
                     r = RequestResult(conv.index, k, messages, conv.predictions[k] if conv.predictions else None,
                                       start_s=clock() - t0, fields=dict(conv.fields[k]) if conv.fields else {})
@@ -267,6 +270,8 @@ async def _run(target: Target, convs: Sequence[Conversation], starts: Sequence[f
                     if not r.ok:
                         return  # the next turn needs this one's answer
                     history = [*messages, {"role": "assistant", "content": r.text}]
+                    if conv.fixed:
+                        answered.append((conv.fixed[k], r.text if r.finish_reason != "tool_calls" else None))
 
         await asyncio.gather(*(converse(c, s) for c, s in zip(convs, starts)))
         wall = clock() - t0

@@ -1,9 +1,14 @@
 """Recorded traffic as a benchmark (`specquant bench load --replay TRACE.jsonl`): the chat-completion requests a real
 client sent (a coding agent over a multi-turn editing task, recorded by `specquant bench record` or any OpenAI request
-log), replayed in order against any server, each request's exact messages (not the server's own answers fed back: an
-agent's next turn holds what it was answered then). Every answer is then judged against the parent alone as for any
-load (bench.fidelity), so a replay checks that each answer is the parent's, and the report gives time per turn,
-tokens per second and the prompt tokens the server took from its cache (an agent resends the same file each turn).
+log), replayed in order against any server, each request's recorded messages, but for one thing: where a request
+holds an earlier replayed request's messages and then its answer (an assistant message of text), that answer is the
+one this server gave (`with_answers`), as the agent would have sent it had it been talking to this server. A trace
+recorded with sampling (an agent that sends no temperature gets the server's default) holds answers no greedy replay
+gives, and a server's prompt cache could never hold them: replayed as recorded, the second rewrite of the Agents SDK
+trace below found 3 of its answer's 960 tokens in every server's cache. Tool calls, tool outputs and user messages
+stay as recorded. Every answer is then judged against the parent alone as for any load (bench.fidelity), so a
+replay checks that each answer is the parent's, and the report gives time per turn, tokens per second and the
+prompt tokens the server took from its cache (an agent resends the same file each turn).
 
 A trace is JSON lines, one request each: `{"endpoint": "/v1/chat/completions", "body": {...}}` as `bench record`
 writes it, or the request body alone (an object with `messages`). What is replayed of a body: its messages, its
@@ -118,6 +123,21 @@ def _flat(message: dict) -> dict:
     if isinstance(content, list) and all(isinstance(c, dict) and isinstance(c.get("text"), str) for c in content):
         return {**message, "content": "".join(c["text"] for c in content)}
     return message
+
+
+def with_answers(recorded: Sequence[dict], earlier: Sequence[tuple[Sequence[dict], Optional[str]]]) -> list[dict]:
+    """`recorded` (a replayed request's messages) with the answer of each `earlier` (its recorded messages, the answer
+    this server gave it: None for a failed request or a tool call) in place of the recorded one: the assistant
+    message of text right after that request's messages, where `recorded` begins with them."""
+    out = list(recorded)
+    for msgs, answer in earlier:
+        n = len(msgs)
+        if answer is None or n >= len(out) or list(recorded[:n]) != list(msgs):
+            continue
+        m = out[n]
+        if m.get("role") == "assistant" and isinstance(m.get("content"), str) and not m.get("tool_calls"):
+            out[n] = {**m, "content": answer}
+    return out
 
 
 def turns(reqs: Sequence[Request]) -> tuple[tuple[tuple[dict, ...], ...], tuple[Optional[str], ...], tuple[dict, ...]]:
