@@ -294,3 +294,28 @@ def test_an_entry_whose_state_is_not_what_its_tokens_say_is_dropped_and_the_prom
     assert greedy(batcher, views[1], prompts[2]) == cold(prompts[2])
     assert cache.status()["entries"] == 0 and cache.status()["hits"] == 0
     assert sharing.status()["restored_tokens"] == 0
+
+
+def test_slots_with_contexts_of_their_own_copy_a_prefix_as_bytes_and_only_within_a_scope(models, prompts, cold):
+    """The deterministic mode's slots (runtime.pool.ModelPool.own_caches): each a context of its own, all sequence 0.
+    A peer's prefix comes as its state's bytes and gives the cold prefill's tokens; a scope is still a view's own, so
+    another tenant's slot gives nothing."""
+    ctxs = [Context(models["f16"], 1024) for _ in range(2)]
+    try:
+        batcher = Batcher()
+        views = [SeqView(c, 0, batcher, 1024) for c in ctxs]
+        sharing = PrefixSharing(views, None, batcher.ops, batcher.away)
+        a, b = prompts[0], prompts[1]
+        sharing.enter(0, "alice")
+        assert greedy(batcher, views[0], a) == cold(a)
+        sharing.enter(1, "bob")
+        with batcher.member():
+            sharing.prefill(views[1], b)
+        assert sharing.status()["copied_tokens"] == 0 and sharing.scope(0) == "alice"
+        sharing.enter(1, "alice")
+        got = greedy(batcher, views[1], b)
+        common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        assert sharing.status()["copied_tokens"] >= common - 1 and got == cold(b)
+    finally:
+        for c in ctxs:
+            c.close()

@@ -6,7 +6,8 @@ looks for the longest prefix of its prompt that is already computed:
 
 - in its own cache (llama.cpp keeps what the sequence held: the last turn of its conversation);
 - in another sequence of the same context: the contexts hold all their sequences in one unified KV cache, so
-  another sequence's cells are given to this one (`llama_memory_seq_cp`: metadata only, no copy, no prefill);
+  another sequence's cells are given to this one (`llama_memory_seq_cp`: metadata only, no copy, no prefill); in
+  the deterministic mode each slot has a context of its own, and the other's state is copied as bytes;
 - in the `PromptCache` (runtime.prompt_cache): sequence states kept in host RAM when a sequence was about to be
   reused for another prompt, and optionally in a folder a later server reads back.
 
@@ -15,7 +16,8 @@ system prompt arriving together), this one waits for it to pass the shared part,
 is computed once. Only the parent's sequences take part: a model draft imports the parent's KV, as always.
 
 The KV cells a prefix is made of are the ones a cold prefill would make, computed in other batches: the same
-tokens' keys and values up to the float rounding of another batch shape, as the sequence's own cache already was."""
+tokens' keys and values up to the float rounding of another batch shape, as the sequence's own cache already was
+(bit for bit in the deterministic mode)."""
 
 from __future__ import annotations
 
@@ -50,8 +52,10 @@ class PrefixSharing:
         self.cache = cache
         self.ops = ops
         self.away = away or contextlib.nullcontext
-        self._targets: dict[int, tuple[int, ...]] = {}  # seq -> the prompt it is prefilling now
-        self._scopes: dict[int, str] = {}  # seq -> the scope of the cells it holds
+        # keyed by id(view), not by sequence id: views of contexts of their own (the deterministic mode's slots) are
+        # all sequence 0
+        self._targets: dict[int, tuple[int, ...]] = {}  # view -> the prompt it is prefilling now
+        self._scopes: dict[int, str] = {}  # view -> the scope of the cells it holds
         self._lock = threading.Condition()
         self.counts = {"copied_tokens": 0, "restored_tokens": 0, "waits": 0}  # what sharing saved, and its waits
         for v in self.views:
@@ -59,7 +63,7 @@ class PrefixSharing:
 
     def scope(self, index: int) -> str:
         """The scope of what sequence `index` (of `views`) holds."""
-        return self._scopes.get(self.views[index].seq, "")
+        return self._scopes.get(id(self.views[index]), "")
 
     def enter(self, index: int, scope: str) -> bool:
         """Sequence `index` is about to serve a request of `scope`. When it holds another scope's cells, they go to
@@ -72,7 +76,7 @@ class PrefixSharing:
             self._keep(view, (), self.scope(index))
         with self.ops:
             view.rewind(0)
-        self._scopes[view.seq] = scope
+        self._scopes[id(view)] = scope
         return True
 
     def prefill(self, view, tokens: Sequence[int]) -> int:
@@ -81,7 +85,7 @@ class PrefixSharing:
         if not self.reuse:
             view.rewind(0)
             return view.sync(tokens, logits="none")
-        scope = self._scopes.get(view.seq, "")
+        scope = self._scopes.get(id(view), "")
         self._keep(view, tokens, scope)
         cached = self.cache.best(tokens, scope) if self.cache is not None else (None, 0)
         with self._prefilling(view, tokens, cached[1]):
@@ -90,8 +94,8 @@ class PrefixSharing:
 
     def _peers(self, view) -> list:
         """The other sequences holding cells of `view`'s scope."""
-        scope = self._scopes.get(view.seq, "")
-        return [v for v in self.views if v is not view and self._scopes.get(v.seq, "") == scope]
+        scope = self._scopes.get(id(view), "")
+        return [v for v in self.views if v is not view and self._scopes.get(id(v), "") == scope]
 
     def _keep(self, view, tokens: tuple[int, ...], scope: str) -> None:
         """Before `view` gives up what it holds beyond `tokens`' prefix, its state goes to the prompt cache under
@@ -120,27 +124,27 @@ class PrefixSharing:
                 check_cancelled()
                 with self.away():
                     self._lock.wait(POLL_S)
-            self._targets[view.seq] = tokens
+            self._targets[id(view)] = tokens
         try:
             yield
         finally:
             with self._lock:
-                self._targets.pop(view.seq, None)
+                self._targets.pop(id(view), None)
                 self._lock.notify_all()
 
-    def _ahead(self, view, tokens: tuple[int, ...], cached: int) -> Optional[int]:
+    def _ahead(self, view, tokens: tuple[int, ...], cached: int):
         """A sequence of `view`'s scope prefilling a prompt that shares with `tokens` a prefix it has not yet
         computed, longer than what `view` could take now (`cached`: the prompt cache's longest prefix of it); None
         when none is."""
         peers = self._peers(view)
         have = max([cached, common_prefix(view.tokens, tokens)] + [common_prefix(v.tokens, tokens) for v in peers])
         for other in peers:
-            target = self._targets.get(other.seq)
+            target = self._targets.get(id(other))
             if target is None:
                 continue
             shared = common_prefix(target, tokens)
             if shared >= have + MIN_REUSE and len(other.tokens) < shared:
-                return other.seq
+                return other
         return None
 
     def _take(self, view, tokens: tuple[int, ...], cached: tuple[Optional[Entry], int]) -> None:
