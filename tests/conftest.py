@@ -204,11 +204,21 @@ def sampled_verdict(text: str, samples) -> str:
 
 
 def run_cli(args, input=None, env=None):
+    """The CLI in this process, as a command of its own: what the command edge resolves for the process (debug, the
+    models folder, the deterministic mode) is taken back after it, as a process's ends with it (a `--deterministic`
+    left set would change every later test's calibration fingerprint)."""
     from typer.testing import CliRunner
 
     from specquant_cli.cli import app
+    from specquant_cli.settings import environment
 
-    return CliRunner().invoke(app, args, input=input, env=env, catch_exceptions=False)
+    held = [environment._resolved_debug, environment._resolved_models, environment._resolved_deterministic]
+    saved = [list(h) for h in held]
+    try:
+        return CliRunner().invoke(app, args, input=input, env=env, catch_exceptions=False)
+    finally:
+        for h, was in zip(held, saved):
+            h[:] = was
 
 
 REAL_MODEL_FIXTURES = {"family_dir", "family", "models"}

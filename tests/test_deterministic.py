@@ -139,3 +139,35 @@ def test_in_the_deterministic_mode_verdicts_are_identical_or_differing():
     summed = sides._summed([exact, exact])
     assert summed["exact"] and summed["identical"] == 14 and fidelity.shown(summed) == [("identical", 14),
                                                                                        ("differing", 2)]
+
+
+@pytest.mark.slow
+def test_a_prefix_restored_from_the_prompt_cache_in_ram_or_on_disk_gives_the_same_bytes(family_dir, tmp_path):
+    """One slot: a conversation's state goes to the prompt cache when the slot serves another, and comes back from
+    RAM, then in a later server from --cache-dir; each answer is the bytes of a server with no prompt cache."""
+    def ask(s: ServerProc, system: str, policy: str = "parent") -> str:
+        r = s.client().chat.completions.create(
+            model="m", messages=[{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[0]}],
+            max_tokens=N, temperature=0, extra_body={"specquant_policy": policy})
+        return r.choices[0].message.content
+
+    other = "You are a lighthouse keeper's logbook. Answer in the voice of the log. " * 10
+    base = ["--family", str(family_dir), "--parallel", "1", "--deterministic", "--policy", "parent",
+            "--policies", "parent,suffix", "--api-key", KEY]
+    s = ServerProc([*base, "--no-prompt-cache"])
+    try:
+        want = ask(s, SYSTEM)
+    finally:
+        s.stop()
+    s = ServerProc([*base, "--cache-ram", "64", "--cache-dir", str(tmp_path / "cache")])
+    try:
+        assert ask(s, SYSTEM) == want
+        ask(s, other)  # the slot serves another prompt: the first one's state goes to the cache
+        assert ask(s, SYSTEM, "suffix") == want and s.health()["prompt_cache"]["hits"] >= 1
+    finally:
+        s.stop()
+    s = ServerProc([*base, "--cache-ram", "64", "--cache-dir", str(tmp_path / "cache")])
+    try:
+        assert ask(s, SYSTEM) == want and s.health()["prompt_cache"]["hits"] >= 1  # from the folder
+    finally:
+        s.stop()
