@@ -92,8 +92,20 @@ def summarize(records: Sequence, policies: Sequence[str]) -> list[dict]:
             "predicted": len(predicted),
             "prediction_accepted": sum(r.prediction_accepted for r in predicted) if predicted else None,
             "prediction_rejected": sum(r.prediction_rejected for r in predicted) if predicted else None,
+            **_limit(rs),
         })
     return out
+
+
+def _limit(rs: Sequence) -> dict:
+    """The verify limit (bench.limit) over a policy's records: its speed (the mean of the items' tokens per second,
+    as `tokens_per_s`) and the policy's share of it (the limit's time over the policy's, summed over the items, each
+    policy's time as its tok/s counts it); None where an item has no limit (no calibration, an empty answer)."""
+    if not rs or any(getattr(r, "limit_s", None) is None or not r.tokens_per_s for r in rs):
+        return {"verify_limit_tokens_per_s": None, "verify_limit_share": None}
+    return {"verify_limit_tokens_per_s": round(statistics.mean(r.new_tokens / r.limit_s for r in rs), 3),
+            "verify_limit_share": round(sum(r.limit_s for r in rs) / sum(r.new_tokens / r.tokens_per_s for r in rs),
+                                        3)}
 
 
 def _repeat_sd(rs: Sequence) -> Optional[float]:
@@ -230,6 +242,7 @@ COLUMNS = (
     Column("prediction acc/rej", _prediction_cell, holds=lambda s: bool(s.get("predicted"))),  # predictions sent
     Column("accept", lambda s: _fmt(s["acceptance_rate"], pct=True)),
     Column("tok/call", lambda s: _fmt(s["mean_accepted_length"])),  # tokens per parent call
+    Column("of limit", lambda s: _fmt(s.get("verify_limit_share")), wide=True),  # of the verify limit (bench.limit)
     Column("draft ms/tok", lambda s: _fmt(s.get("draft_ms_per_token")), wide=True),
     Column("low/med/high", _tiers_cell, wide=True),
     Column("accuracy", _accuracy_cell, holds=lambda s: bool(s.get("accuracy_n"))),  # items with references
@@ -335,12 +348,28 @@ def markdown(report: dict) -> str:
     lines += _md_table(report["summary"])
     if report.get("verdict"):
         lines += ["", report["verdict"]]
+    lines += limit_lines(report["summary"])
     lines += levels_lines(report["summary"])
     lines += divergence_table(report.get("fidelity"))
     for cat, summ in report["by_category"].items():
         lines += ["", f"## {cat}", ""] + _md_table(summ)
     lines += ["", "## All prompts, every column", ""] + _md_table(report["summary"], wide=True)
     return "\n".join(lines) + "\n"
+
+
+def limit_lines(summary: Sequence[dict]) -> list[str]:
+    """The verify limit (bench.limit) with the parent's own prefill, against the parent, and each lossless drafting
+    policy's share of it; nothing when no calibration priced it."""
+    by = {s["policy"]: s for s in summary}
+    parent = by.get("parent")
+    if parent is None or parent.get("verify_limit_tokens_per_s") is None:
+        return []
+    shares = ", ".join(f"{s['policy']} {s['verify_limit_share']:.2f}" for s in summary if not s["lossy"]
+                       and s["policy"] not in ("parent", REFERENCE) and s.get("verify_limit_share") is not None)
+    return ["", f"Verify limit (a drafter always right, at no cost: each answer's prefill, then the parent's calls "
+                f"priced at their depth): {parent['verify_limit_tokens_per_s']:.2f} tok/s, "
+                f"{parent['verify_limit_tokens_per_s'] / parent['tokens_per_s']:.2f}x the parent"
+                + (f"; share of it reached: {shares}" if shares else "")]
 
 
 def levels_lines(summary: list[dict]) -> list[str]:

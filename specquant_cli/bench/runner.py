@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
-from specquant_cli.bench import fidelity, report
+from specquant_cli.bench import fidelity, limit, report
 from specquant_cli.bench.datasets import Item, extract_answer
 from specquant_cli.decoding.gamma import GAMMA_MAX
 from specquant_cli.decoding.sampling import SamplingParams
@@ -59,6 +59,7 @@ class Record:
     predicted: bool = False  # the item's prediction was sent (Predicted Outputs)
     prediction_accepted: int = 0  # of its tokens proposed as drafts, those the parent kept
     prediction_rejected: int = 0  # ... and those it did not
+    limit_s: Optional[float] = None  # the answer's time at the verify limit (bench.limit; None: no calibration)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -173,6 +174,9 @@ def _timed_runs(runtime: Runtime, router: Router, item: Item, policy: str, sp: S
     if policy == "parent" and parent_tokens is None:
         parent_tokens = tokens  # the parent's own run is its own reference
     rec = _record(item, policy, answer, tokens, runs, parent_tokens, sp)
+    last = answer.last
+    rec.limit_s = limit.limit_s(runtime.calibration(measure=False), last.prompt_tokens, last.new_tokens,
+                                last.parent_prefill_s)
     rec.peak_rss_mb = round(memory.peak_bytes() / 2**20, 1)
     if form is not None and form.grammar is not None:
         rec.structured = True

@@ -260,9 +260,12 @@ def _median(xs: list) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
-def report(runs: Sequence[Run], contenders: Sequence[Contender], setup: Setup, config: dict, stamp: dict) -> dict:
+def report(runs: Sequence[Run], contenders: Sequence[Contender], setup: Setup, config: dict, stamp: dict,
+           cal=None) -> dict:
     """The side by side as JSON: every run (summary, verdicts, requests) and, per contender, the medians over its
-    runs and its ratio to the first contender's."""
+    runs and its ratio to the first contender's; with `cal` (the parent's calibration on this machine) and requests
+    sent one at a time, each contender's share of the verify limit (`verify_limit_share`)."""
+    one_at_a_time = config.get("concurrency") == 1 and not config.get("rate")
     rows = []
     first = None
     for c in contenders:
@@ -278,6 +281,7 @@ def report(runs: Sequence[Run], contenders: Sequence[Contender], setup: Setup, c
                      "fidelity": _summed(fid),
                      "prediction": _prediction(mine),
                      "cached_share": _cached_share(mine),
+                     "verify_limit_share": limit_share(mine, cal) if one_at_a_time else None,
                      "plans": _plans(mine)})
     return {"command": stamp["command"], "stamp": stamp, "family": str(setup.family.root),
             "parent": setup.family.parent_rendering,
@@ -285,6 +289,25 @@ def report(runs: Sequence[Run], contenders: Sequence[Contender], setup: Setup, c
             "servers": rows,
             "runs": [{"server": r.contender.name, "repeat": r.repeat, "summary": r.summary, "fidelity": r.fidelity,
                       "requests": [x.to_dict() for x in r.results]} for r in runs]}
+
+
+def limit_share(runs: Sequence[Run], cal) -> Optional[float]:
+    """A contender's share of the verify limit (bench.limit) over its runs of requests sent one at a time: each
+    request at the limit takes its own time to the first token, then the parent's calls of a drafter always right for
+    its output tokens after its prompt tokens; the share is that time over the requests' own, summed. None without a
+    calibration, or when a request failed or its server did not say its prompt tokens."""
+    from specquant_cli.bench import limit
+
+    if cal is None:
+        return None
+    at_limit = taken = 0.0
+    for r in runs:
+        for x in r.results:
+            if not x.ok or x.ttft_s is None or not x.e2e_s or x.prompt_tokens is None:
+                return None
+            at_limit += x.ttft_s + limit.decode_s(cal, x.prompt_tokens, x.output_tokens)
+            taken += x.e2e_s
+    return round(at_limit / taken, 3) if taken else None
 
 
 def _cached_share(runs: Sequence[Run]) -> Optional[float]:
@@ -379,6 +402,11 @@ def markdown(rep: dict) -> str:
             f"{row['server']} {row['prediction']['accepted']} / {row['prediction']['rejected']}" for row in said)
             + (" (llama-server says nothing of them)" if any(row["kind"] == "llama-server" for row in rows) else "")
             + "."]
+    bounded = [row for row in rows if row.get("verify_limit_share") is not None]
+    if bounded:
+        lines += ["", "Share of the verify limit (each request's own time to the first token, then its answer at the "
+                      "parent's calls of a drafter always right, priced by this machine's calibration at their depth): "
+                  + "; ".join(f"{row['server']} {row['verify_limit_share']:.2f}" for row in bounded) + "."]
     cached = [row for row in rows if row.get("cached_share") is not None]
     if cached:
         lines += ["", "Prompt tokens taken from the server's cache: " + "; ".join(

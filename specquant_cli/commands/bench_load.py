@@ -35,7 +35,7 @@ from specquant_cli.commands.options import (
     with_settings,
 )
 from specquant_cli.console import err, out_json
-from specquant_cli.errors import InputError
+from specquant_cli.errors import InputError, SpecquantError
 from specquant_cli.settings import Settings
 
 
@@ -275,12 +275,14 @@ def _side_by_side(servers: str, llama_server: Optional[Path], family, cfg: Setti
         return results, summary
 
     runs = sides.run(contenders, setup, repeat, load_one, lambda line: err.print(f"bench load: {line}", markup=False))
-    with _kept(lambda: sides.report(runs, contenders, setup, config, run_stamp), json_file, md_out, sides.markdown):
+    cal = _calibration(family, cfg)
+    with _kept(lambda: sides.report(runs, contenders, setup, config, run_stamp, cal), json_file, md_out,
+               sides.markdown):
         judged = [None] * len(runs) if _sampled(extra) else _judge(family, cfg, [r.results for r in runs],
                                                                    max_tokens)
     for r, j in zip(runs, judged):
         r.fidelity = j
-    rep = sides.report(runs, contenders, setup, config, run_stamp)
+    rep = sides.report(runs, contenders, setup, config, run_stamp, cal)
     err.print(sides.markdown(rep), markup=False)
     failure = report.write_outputs(rep, json_file, md_out, render=sides.markdown)
     if json_out:
@@ -340,6 +342,22 @@ def _sampled(extra: dict) -> bool:
                   "greedy answer", markup=False)
         return True
     return False
+
+
+def _calibration(family, cfg: Settings):
+    """The parent's stored calibration on this machine (None where it has none: nothing is measured here), which
+    prices the verify limit."""
+    from specquant_cli.runtime import Runtime
+
+    try:
+        runtime = Runtime.open(family, n_ctx=cfg.runtime.ctx, threads=cfg.runtime.threads, mmap=cfg.runtime.mmap)
+        try:
+            return runtime.calibration(measure=False)
+        finally:
+            runtime.close()
+    except (SpecquantError, OSError) as e:  # the load's figures stand without it
+        err.print(f"bench load: no verify limit ({e})", markup=False)
+        return None
 
 
 def _judge(family, cfg: Settings, runs: list, max_tokens: int) -> list[Optional[dict]]:
