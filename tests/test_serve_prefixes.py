@@ -1,6 +1,6 @@
-"""Prefill once, through a real `specquant serve` and the `openai` client: a conversation's next turn goes back to
-the slot that holds it; a system prompt another slot holds is copied, not prefilled; a reused slot's state is kept
-in the prompt cache and restored for a later prompt, also by the next server from --cache-dir, and refused by a
+"""Prefill once, through a real `specquant serve` and the `openai` client: a prompt takes the idle slot that holds its
+longest prefix (a conversation's next turn, another conversation over the same system prompt); idle slots are parked
+in the prompt cache while another request runs; a reused slot's state is kept in the prompt cache and restored for a later prompt, also by the next server from --cache-dir, and refused by a
 server of another context size; --no-prompt-cache prefills every prompt whole. Every greedy answer is the parent's
 own (or differs at a proven near-tie); `usage.prompt_tokens_details.cached_tokens` says what was not prefilled."""
 
@@ -52,25 +52,39 @@ def cache_status(server: ServerProc) -> dict:
 
 
 @pytest.mark.slow
-def test_turns_go_back_to_their_slot_and_a_system_prompt_is_copied_not_prefilled(family_dir, judge):
+def test_a_prompt_takes_the_slot_holding_its_longest_prefix_and_idle_slots_are_parked(family_dir, judge):
+    """Two slots, a prompt cache: a second conversation over the same system prompt takes the idle slot that holds
+    it (the first conversation's state goes to the cache), the first conversation's next turn takes it back from the
+    cache, and a request that shares nothing takes the empty slot and parks the idle one: its state to the cache, its
+    cells freed (an idle slot's cells would cost every call of the running request), so that conversation's next turn
+    is restored from the cache, not from the slot."""
     s = ServerProc(["--family", str(family_dir), "--parallel", "2", "--policy", "parent", "--policies", "parent",
                     "--api-key", KEY, "--cache-ram", "64"])
     try:
         a, b = conversation(QUESTIONS[0]), conversation(QUESTIONS[1])
         text_a, n_a, cached = ask(s, a)
         assert cached == 0
-        text_b, n_b, cached_b = ask(s, b)  # the other slot: the system prompt is copied from slot 0's cells
-        copied = cache_status(s)["copied_tokens"]
-        assert cached_b == copied > 100
+        text_b, n_b, cached_b = ask(s, b)  # slot 0 holds the system prompt: taken, not copied to the empty slot
+        st = cache_status(s)
+        assert cached_b > 100 and st["copied_tokens"] == 0 and st["entries"] == 1
         a2 = a + [{"role": "assistant", "content": text_a}, {"role": "user", "content": "And the youngest?"}]
-        text_a2, n_a2, cached_a2 = ask(s, a2)  # back in the slot that holds turn 1: only the new turn is prefilled
-        assert cached_a2 >= n_a and cache_status(s)["copied_tokens"] == copied
-        verdicts = [judge(m, t) for m, t in ((a, text_a), (b, text_b), (a2, text_a2))]
+        text_a2, n_a2, cached_a2 = ask(s, a2)  # back in slot 0, its first turn restored from the cache
+        st = cache_status(s)
+        assert cached_a2 >= n_a and st["hits"] == 1 and st["restored_tokens"] > 0
+        restored = st["restored_tokens"]
+        other = conversation(QUESTIONS[2], "Reply in the voice of a ship's cook who has seen every storm. " * 8)
+        text_c, _, cached_c = ask(s, other)  # the empty slot; slot 0 (idle, holding turn 2) is parked
+        assert cached_c == 0 and cache_status(s)["restored_tokens"] == restored
+        a3 = a2 + [{"role": "assistant", "content": text_a2}, {"role": "user", "content": "Thank you."}]
+        text_a3, _, cached_a3 = ask(s, a3)  # turn 2 comes back from the cache: the slot held nothing
+        st = cache_status(s)
+        assert cached_a3 >= n_a2 and st["restored_tokens"] >= restored + n_a2 - MIN_REUSE
+        verdicts = [judge(m, t) for m, t in ((a, text_a), (b, text_b), (a2, text_a2), (other, text_c), (a3, text_a3))]
         assert fidelity.UNEXPLAINED not in verdicts
         families = {f.name: f for f in text_string_to_metric_families(
             httpx.get(s.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text)}
-        samples = {x.name: x.value for x in families["specquant_prompt_cache_copied_tokens"].samples}
-        assert samples["specquant_prompt_cache_copied_tokens_total"] == copied
+        samples = {x.name: x.value for x in families["specquant_prompt_cache_restored_tokens"].samples}
+        assert samples["specquant_prompt_cache_restored_tokens_total"] == st["restored_tokens"]
     finally:
         s.stop()
 

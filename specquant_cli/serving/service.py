@@ -50,7 +50,8 @@ class Service:
         self.max_tokens = opts.max_tokens  # None: an answer may run to the end of the context
         self.strict_tools = getattr(opts, "strict_tools", False)  # /v1/responses (serving.responses)
         self.max_body = opts.max_body
-        self.worker = EngineWorker(self.generate, opts.max_queue, parallel=len(self.sessions), choose=self.slot_for)
+        self.worker = EngineWorker(self.generate, opts.max_queue, parallel=len(self.sessions), choose=self.slot_for,
+                                   parkable=self.parkable, park=self.park)
         if slots is not None:
             slots.in_flight = self.worker.in_flight
         from specquant_cli.decoding.grammar import tokenizer_for
@@ -116,11 +117,14 @@ class Service:
         return hmac.new(self._scope_key, b"scope\0" + data, hashlib.sha256).hexdigest()[:32]
 
     def slot_for(self, params: GenerationParams, free: list[int]) -> int:
-        """Of the `free` slots (least recently used first), the one this request's prompt costs least: the fewest
-        held tokens given up (a conversation's last turn, held whole in its slot, gives up none; an empty slot
-        none; a slot of another scope gives up all it holds and shares nothing), then the longest prefix shared
-        with the prompt, then the least recently used. A prefix another slot of the scope holds is copied from
-        there (runtime.prefixes), so a shared system prompt need not pick the slot."""
+        """Of the `free` slots (least recently used first), the one this request's prompt costs least. Where idle
+        slots are parked (runtime.prefixes: what they give up goes to the prompt cache, and their cells would cost
+        this request's calls), the longest prefix of the prompt its own cells hold (a conversation's last turn, an
+        agent's last request: the same system prompt), then the least recently used. Else the fewest held tokens
+        given up (a conversation's last turn, held whole in its slot, gives up none; an empty slot none; a slot of
+        another scope gives up all it holds and shares nothing), then the longest prefix shared with the prompt, then
+        the least recently used; a prefix another slot of the scope holds is copied from there (runtime.prefixes),
+        so a shared system prompt need not pick the slot."""
         if self.prefixes is None or len(free) == 1:
             return free[0]
         try:
@@ -128,15 +132,34 @@ class Service:
         except SpecquantError:
             return free[0]  # the slot's own run refuses the prompt, with its reason
         from specquant_cli.backend.llama import common_prefix
+        from specquant_cli.runtime.prefixes import MIN_REUSE
 
         views = self.prefixes.views
+
+        parks = self.prefixes.parks
 
         def cost(i: int) -> tuple[int, int, int]:
             held = views[i].tokens
             shared = common_prefix(held, prompt) if self.prefixes.scope(i) == params.scope else 0
+            if parks:  # a few tokens of a chat template in common are no prefix worth a slot
+                return -(shared if shared >= MIN_REUSE else 0), len(held) - shared, free.index(i)
             return len(held) - shared, -shared, free.index(i)
 
         return min(free, key=cost)
+
+    def parkable(self, chosen: int, free: list[int]) -> list[int]:
+        """The idle (`free`) slots to park before slot `chosen` runs a request: those holding cells, where idle slots
+        are parked at all (runtime.prefixes.PrefixSharing.parks)."""
+        if self.prefixes is None or not self.prefixes.parks:
+            return []
+        return [i for i in free if i != chosen and self.prefixes.holds(i)]
+
+    def park(self, slots: list[int]) -> None:
+        """Each idle slot of `slots` keeps its state in the prompt cache and is emptied (its drafts' sequences too),
+        so that the running requests' calls attend over no cells of theirs."""
+        for i in slots:
+            self.prefixes.park(i)
+            self.sessions[i].runtime.pool.reset_caches()
 
     def prompt_tokens(self, params: GenerationParams) -> list[int]:
         model = self.runtime.tokenizer()

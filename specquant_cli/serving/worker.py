@@ -81,10 +81,15 @@ class EngineWorker:
             where generation happens as `records` is iterated (`ChatSession.ask_messages`).
         max_queue: jobs allowed to wait behind the running ones; a request beyond that gets 429.
         parallel: slots, i.e. jobs generating at once.
-        choose: picks a job's slot from the free ones, least recently used first (default: that one)."""
+        choose: picks a job's slot from the free ones, least recently used first (default: that one).
+        parkable, park: before a job runs, `parkable(slot, free)` names the idle slots to park (cheap: under the
+            worker's lock), which are held from other jobs while `park(slots)` empties them (outside it), and then
+            freed again (Service.park: an idle slot's cells would cost every running request's calls)."""
 
     def __init__(self, run: Callable[[GenerationParams, int], tuple[Any, Iterator[Any]]], max_queue: int,
-                 parallel: int = 1, choose: Optional[Callable[[GenerationParams, list[int]], int]] = None):
+                 parallel: int = 1, choose: Optional[Callable[[GenerationParams, list[int]], int]] = None,
+                 parkable: Optional[Callable[[int, list[int]], list[int]]] = None,
+                 park: Optional[Callable[[list[int]], None]] = None):
         self._run = run
         self.max_queue = max_queue
         self.parallel = parallel
@@ -94,6 +99,8 @@ class EngineWorker:
         self._stopping: Optional[ApiError] = None
         self._free = list(range(parallel))  # slots no job runs in, least recently used first
         self._choose = choose or (lambda params, free: free[0])
+        self._parkable = parkable or (lambda slot, free: [])
+        self._park = park or (lambda slots: None)
         self._threads = [threading.Thread(target=self._loop, name=f"specquant-engine-{i}", daemon=True)
                          for i in range(parallel)]
         self._mean_s: Optional[float] = None
@@ -208,14 +215,18 @@ class EngineWorker:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and self._stopping is None:
+                # a job waits for a free slot too: slots being parked are held from it for a moment
+                while (not self._waiting or not self._free) and self._stopping is None:
                     self._cond.wait()
-                if not self._waiting:  # stopping, nothing left
+                if not self._waiting or not self._free:  # stopping, nothing left
                     return
                 job = self._waiting.popleft()
                 self._running.add(job)
                 slot = self._pick(job)
                 self._free.remove(slot)
+                parking = self._held_for_parking(slot)
+            if parking:
+                self._park_slots(parking)
             t0 = time.perf_counter()
             outcome = "failed"
             try:
@@ -229,6 +240,27 @@ class EngineWorker:
                     took = time.perf_counter() - t0
                     self._mean_s = took if self._mean_s is None else \
                         (1 - EWMA_WEIGHT) * self._mean_s + EWMA_WEIGHT * took
+
+    def _held_for_parking(self, slot: int) -> list[int]:
+        """Under the lock: the idle slots to park before `slot` runs (`parkable`), taken out of the free ones."""
+        try:
+            parking = [i for i in self._parkable(slot, list(self._free)) if i in self._free]
+        except Exception:  # noqa: BLE001 - parking is an optimization: its failure costs speed, not the job
+            return []
+        for i in parking:
+            self._free.remove(i)
+        return parking
+
+    def _park_slots(self, slots: list[int]) -> None:
+        """Park `slots` (outside the lock), then free them again, first in line (least recently used: empty now)."""
+        try:
+            self._park(slots)
+        except Exception:  # noqa: BLE001 - a slot left holding its cells costs speed, not an answer
+            pass
+        finally:
+            with self._cond:
+                self._free[:0] = slots
+                self._cond.notify_all()
 
     def _pick(self, job: Job) -> int:
         """The job's slot (`choose`: Service.slot_for, by what the slots hold of its prompt); the least recently
