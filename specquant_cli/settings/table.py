@@ -151,8 +151,8 @@ def _declare() -> dict[str, Setting]:
         Setting("serving", "cache_ram", float, None, "Prompt cache RAM (0: off)", "--cache-ram",
                 lo=0.0, hi=1 << 24, optional=True, metavar="MIB",
                 shown=f"{CACHE_RAM_SHARE:.0%} of free, ≤ {CACHE_RAM_MAX_MIB:.0f}",
-                doc="The parent's state of a reused slot, kept for a later prompt that starts the same way (least "
-                    f"recently used out). At least {CACHE_RAM_MIN_MIB:g}, or what one cached prompt of the model "
+                doc="The parent's state of a reused or idle (parked) slot, kept for a later prompt that starts the "
+                    f"same way (least recently used out). At least {CACHE_RAM_MIN_MIB:g}, or what one cached prompt of the model "
                     "takes where that is more."),
         Setting("serving", "cache_dir", Path, None, "Also keep the prompt cache in this folder", "--cache-dir",
                 check=check_path, optional=True, shown="none", metavar="DIR",
