@@ -225,11 +225,11 @@ class EngineWorker:
                 slot = self._pick(job)
                 self._free.remove(slot)
                 parking = self._held_for_parking(slot)
-            if parking:
-                self._park_slots(parking)
             t0 = time.perf_counter()
             outcome = "failed"
             try:
+                if parking:  # within the job's time, and its slot freed again whatever happens
+                    self._park_slots(parking)
                 outcome = self._execute(job, slot)
             finally:
                 with self._cond:
