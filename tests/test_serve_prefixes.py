@@ -1,8 +1,9 @@
 """Prefill once, through a real `specquant serve` and the `openai` client: a prompt takes the idle slot that holds its
 longest prefix (a conversation's next turn, another conversation over the same system prompt); idle slots are parked
-in the prompt cache while another request runs; a reused slot's state is kept in the prompt cache and restored for a later prompt, also by the next server from --cache-dir, and refused by a
-server of another context size; --no-prompt-cache prefills every prompt whole. Every greedy answer is the parent's
-own (or differs at a proven near-tie); `usage.prompt_tokens_details.cached_tokens` says what was not prefilled."""
+in the prompt cache while another request runs; a reused slot's state is kept in the prompt cache and restored for a
+later prompt, also by the next server from --cache-dir, and refused by a server of another context size;
+--no-prompt-cache prefills every prompt whole. Every greedy answer is the parent's own (or differs at a proven
+near-tie); `usage.prompt_tokens_details.cached_tokens` says what was not prefilled."""
 
 from __future__ import annotations
 

@@ -14,11 +14,12 @@ looks for the longest prefix of its prompt that is already computed:
 One unified KV cache costs its idle cells too: every call of every sequence attends over all the cells in use, another
 sequence's included (masked), so a conversation left held in an idle slot slows every other request's calls (measured
 on the 1.5B BF16 parent, AMD EPYC, 2 threads, at 1,500 positions: a 32-token call 450-456 ms alone, 559-619 ms with an
-idle 2,400-token conversation held beside it; scripts/idle_cells.py). Where a prompt cache keeps what a slot gives up, a request that starts
-therefore parks the idle slots first (`park`: their states go to the prompt cache, their cells are freed), and takes
-the slot that shares the longest prefix of its prompt: a conversation's next turn its own slot, an agent that resends
-its system prompt with new files the slot of its last request. A parked conversation's next turn restores its state
-from RAM (a copy of its KV bytes), far less than its cells cost the others' calls meanwhile.
+idle 2,400-token conversation held beside it; scripts/idle_cells.py). Where a prompt cache keeps what a slot gives
+up, a request that starts therefore parks the idle slots first (`park`: their states go to the prompt cache, their
+cells are freed), and takes the slot that shares the longest prefix of its prompt: a conversation's next turn its own
+slot, an agent that resends its system prompt with new files the slot of its last request. A parked conversation's
+next turn restores its state from RAM (a copy of its KV bytes), far less than its cells cost the others' calls
+meanwhile.
 
 When another sequence is prefilling a prompt that shares a longer prefix with this one (two conversations over one
 system prompt arriving together), this one waits for it to pass the shared part, then takes it: the shared prefix

@@ -152,8 +152,8 @@ def _declare() -> dict[str, Setting]:
                 lo=0.0, hi=1 << 24, optional=True, metavar="MIB",
                 shown=f"{CACHE_RAM_SHARE:.0%} of free, ≤ {CACHE_RAM_MAX_MIB:.0f}",
                 doc="The parent's state of a reused or idle (parked) slot, kept for a later prompt that starts the "
-                    f"same way (least recently used out). At least {CACHE_RAM_MIN_MIB:g}, or what one cached prompt of the model "
-                    "takes where that is more."),
+                    f"same way (least recently used out). At least {CACHE_RAM_MIN_MIB:g}, or what one cached prompt "
+                    "of the model takes where that is more."),
         Setting("serving", "cache_dir", Path, None, "Also keep the prompt cache in this folder", "--cache-dir",
                 check=check_path, optional=True, shown="none", metavar="DIR",
                 doc="Written to, and read back from at start (entries of another model, build or context size are "
