@@ -101,7 +101,7 @@ def _limit(rs: Sequence) -> dict:
     """The verify limit (bench.limit) over a policy's records: its speed (the mean of the items' tokens per second,
     as `tokens_per_s`) and the policy's share of it (the limit's time over the policy's, summed over the items, each
     policy's time as its tok/s counts it); None where an item has no limit (no calibration, an empty answer)."""
-    if not rs or any(getattr(r, "limit_s", None) is None or not r.tokens_per_s for r in rs):
+    if not rs or any(r.limit_s is None or not r.tokens_per_s for r in rs):
         return {"verify_limit_tokens_per_s": None, "verify_limit_share": None}
     return {"verify_limit_tokens_per_s": round(statistics.mean(r.new_tokens / r.limit_s for r in rs), 3),
             "verify_limit_share": round(sum(r.limit_s for r in rs) / sum(r.new_tokens / r.tokens_per_s for r in rs),

@@ -84,8 +84,7 @@ class PrefixSharing:
     def park(self, index: int) -> None:
         """Idle sequence `index` keeps its state in the prompt cache (unless another sequence or an entry holds it
         all already); the caller then empties it, drafts' sequences included."""
-        view = self.views[index]
-        self._keep(view, (), self._scopes.get(id(view), ""))
+        self._keep(self.views[index], (), self.scope(index))
 
     def scope(self, index: int) -> str:
         """The scope of what sequence `index` (of `views`) holds."""
@@ -99,7 +98,7 @@ class PrefixSharing:
         if self.scope(index) == scope:
             return False
         if self.reuse:
-            self._keep(view, (), self.scope(index))
+            self.park(index)
         with self.ops:
             view.rewind(0)
         self._scopes[id(view)] = scope
