@@ -79,6 +79,12 @@ BAD = {  # name -> (mutation, a phrase of the reason)
     "import-beyond-deep": (_put("import_s", "q4", "5000", 0.01), "q4 import_s has the size '5000'"),
     "import-bad-role": (_put("import_s", "../q4", {"64": 0.01}), "import_s names the role '../q4'"),
     "imports-missing": (_drop("import_s"), "import_s missing"),
+    "far-calls-without-pos": (_put("far_call_s", {"parent": {"1": 0.02}}), "far_call_s holds timings but far_pos is 0"),
+    "far-pos-not-beyond-deep": (_put("far_pos", 1024), "far_pos 1024 is not beyond deep_pos 1024"),
+    "far-pos-fraction": (_put("far_pos", 2560.5), "far_pos 2560.5 is not a position"),
+    "far-pos-text": (_put("far_pos", "2560"), "far_pos is a JSON string, not a number"),
+    "far-call-size-2": (_put("far_call_s", {"parent": {"2": 0.02}}), "parent far_call_s has the size '2'"),
+    "far-calls-a-list": (_put("far_call_s", []), "far_call_s is a JSON array, not an object"),
 }
 
 
@@ -97,6 +103,49 @@ def test_an_entry_of_the_previous_schema_lacks_the_new_fields():
         del entry[k]
     assert "draft_call_s, deep_call_s, deep_pos, import_s missing" in entry_problem(entry)
     assert SCHEMA == 8  # 7: the parent measured deep up to 64 tokens (DEEP_PARENT_SIZES); 8: CPU attention unfused
+
+
+def test_an_entry_stored_before_the_far_calls_loads_without_them():
+    entry = stored(deep_cal())
+    del entry["far_call_s"], entry["far_pos"]
+    assert entry_problem(entry) is None
+    back = Calibration.from_dict(entry)
+    assert back.far_pos == 0 and back.far_call_s == {}
+    assert back.depth_factor("parent", 1, 2048) == deep_cal().depth_factor("parent", 1, 2048)
+
+
+def far_cal() -> Calibration:
+    """deep_cal, and the parent's calls after 2560 positions: 1.8x / 1.5x (sizes 1, 4), 1.0x (size 8: below its deep
+    factor, noise)."""
+    c = deep_cal()
+    c.far_call_s = {"parent": {1: 1.8 * PARENT[1], 4: 1.5 * PARENT[4], 8: 1.0 * PARENT[8]}}
+    c.far_pos = 2560
+    return c
+
+
+def test_a_far_depth_bends_the_line_beyond_the_deep_one():
+    c = far_cal()
+    assert entry_problem(stored(c)) is None
+    back = Calibration.from_dict(stored(c))
+    assert back.far_pos == 2560 and back.far_call_s == c.far_call_s
+    for pos in (0, 64, 500, 1024):  # up to the deep position: as before
+        assert c.depth_factor("parent", 1, pos) == deep_cal().depth_factor("parent", 1, pos)
+    assert c.depth_factor("parent", 1, 2560) == pytest.approx(1.8)
+    assert c.depth_factor("parent", 1, 1792) == pytest.approx(1.65)  # half way between 1.5 and 1.8
+    assert c.depth_factor("parent", 1, 4096) == pytest.approx(2.1)  # extrapolated along the far piece
+    assert deep_cal().depth_factor("parent", 1, 4096) == pytest.approx(1 + 0.5 * (4096 - 64) / (1024 - 64))
+    assert c.depth_factor("parent", 4, 2560) == pytest.approx(1.5)
+    assert c.depth_factor("parent", 8, 2560) == pytest.approx(1.1)  # never below the deep factor
+    assert c.depth_factor("q4", 4, 2560) == deep_cal().depth_factor("q4", 4, 2560)  # the drafts: no far figures
+    assert c.for_batch(2).depth_factor("parent", 1, 2560) == pytest.approx(1.8)
+    assert c.call_s_at(1, 2560) == pytest.approx(1.8 * PARENT[1])
+
+
+def test_the_far_position_needs_room_beyond_the_deep_one():
+    assert measure.far_position(4096, cal.DEEP_POS) == cal.FAR_POS
+    assert measure.far_position(2048, cal.DEEP_POS) == 2048 - max(cal.DEEP_PARENT_SIZES) - 8
+    assert measure.far_position(1500, cal.DEEP_POS) == 0  # under FAR_MIN beyond the deep position
+    assert measure.far_position(4096, 0) == 0  # nothing measured deep
 
 
 def test_a_long_verify_call_deep_in_the_context_is_priced_from_its_own_size():
@@ -253,14 +302,27 @@ def test_a_real_measurement_goes_deep_in_a_512_context(models, quick):
     assert sorted(c.deep_call_s["parent"]) == [n for n in cal.DEEP_PARENT_SIZES if 488 + n <= n_ctx]
     assert 16 in c.deep_call_s["parent"] and all(v > 0 for v in c.deep_call_s["parent"].values())
     assert c.depth_factor("parent", 4, 488) >= 1.0 and c.import_cost("q4", 300) > 0
+    assert c.far_pos == 0 and c.far_call_s == {}  # no room beyond the deep position
     assert left["q8"] == left["q4"] == 0  # the drafts' contexts reset after the imports and the agreement pass
+
+
+def test_a_real_measurement_goes_far_in_a_2048_context(models, quick):
+    c, ticks, n_ctx, left = _measure(models, 2048)
+    _ticks_ok(ticks)
+    assert entry_problem(json.loads(json.dumps(c.to_dict()))) is None
+    assert c.deep_pos == cal.DEEP_POS and c.far_pos == measure.far_position(n_ctx, cal.DEEP_POS) > c.deep_pos
+    assert sorted(c.far_call_s) == ["parent"] and sorted(c.far_call_s["parent"]) == list(cal.DEEP_PARENT_SIZES)
+    assert all(v > 0 for v in c.far_call_s["parent"].values())
+    assert c.depth_factor("parent", 64, c.far_pos) >= c.depth_factor("parent", 64, c.deep_pos) >= 1.0
+    assert sorted(c.import_s["q4"]) == [cal.PREFILL_TOKENS, cal.DEEP_POS]  # imports: as before
+    assert left["q8"] == left["q4"] == 0
 
 
 def test_a_real_measurement_skips_the_deep_calls_in_a_256_context(models, quick):
     c, ticks, n_ctx, _ = _measure(models, 256)
     _ticks_ok(ticks)
     assert n_ctx - cal.MAX_BATCH - 8 < cal.DEEP_MIN
-    assert c.deep_pos == 0 and c.deep_call_s == {}
+    assert c.deep_pos == 0 and c.deep_call_s == {} and c.far_pos == 0
     assert {r: sorted(s) for r, s in c.import_s.items()} == {"q8": [cal.PREFILL_TOKENS], "q4": [cal.PREFILL_TOKENS]}
     assert sorted(c.draft_call_s["q4"]) == list(range(1, cal.DRAFT_BATCH + 1))
     assert c.depth_factor("parent", 8, 200) == 1.0

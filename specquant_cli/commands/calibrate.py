@@ -61,6 +61,10 @@ def calibrate(
         if len(curve) > 1:
             deep = " · ".join(f"{n}: {s * 1000:.1f} ({s / c.call_s(n):.2f}x)" for n, s in sorted(curve.items()))
             err.print(f"  parent call after {c.deep_pos} positions, ms by tokens  {deep}", markup=False)
+    far = c.far_call_s.get("parent", {})
+    if c.far_pos and far:
+        far = " · ".join(f"{n}: {s * 1000:.1f} ({s / c.call_s(n):.2f}x)" for n, s in sorted(far.items()))
+        err.print(f"  parent call after {c.far_pos} positions, ms by tokens  {far}", markup=False)
     at = c.deep_pos or 64
     for role in c.import_s:
         err.print(f"  {role} KV import of {at} positions {c.import_cost(role, at) * 1000:.1f} ms", markup=False)
@@ -70,15 +74,22 @@ def calibrate(
 
 def _measured(runtime, force: bool):
     """(the runtime's bound family, its calibration measured or read), the runtime closed after. A stored one measured
-    before the parent's long calls were (system.calibration.LONG_CALLS) is measured again: a session plans a copied
-    answer within the calls measured."""
+    before the parent's long calls were (system.calibration.LONG_CALLS), or before its far calls were
+    (system.calibration.FAR_POS) where the context has room for them, is measured again: a session plans a copied
+    answer within the calls measured, and prices an agent's deep calls by them."""
     from specquant_cli.system.calibration import LONG_CALLS, PREFILL_TOKENS
+    from specquant_cli.system.measure import far_position
 
     try:
         c = runtime.calibration(force=force, require_save=True)  # unsaveable: refused first
-        if c.longest_call < max(LONG_CALLS) and runtime.pool.n_ctx >= PREFILL_TOKENS + max(LONG_CALLS):
+        n_ctx = runtime.pool.n_ctx
+        if c.longest_call < max(LONG_CALLS) and n_ctx >= PREFILL_TOKENS + max(LONG_CALLS):
             err.print(f"calibration: stored before parent calls of up to {max(LONG_CALLS)} tokens were measured; "
                       "measuring again", markup=False)
+            c = runtime.calibration(force=True, require_save=True)
+        elif not c.far_pos and far_position(n_ctx, c.deep_pos):
+            err.print(f"calibration: stored before the parent's calls after {far_position(n_ctx, c.deep_pos)} "
+                      "positions were measured; measuring again", markup=False)
             c = runtime.calibration(force=True, require_save=True)
         return runtime.family, c
     finally:

@@ -1,9 +1,10 @@
 """What this machine's calls cost for a family, as the `auto` policy reads it: a `Calibration` holds the measured
 curves — the parent's call on 1..MAX_BATCH tokens and on LONG_CALLS, each draft role's call on 1..DRAFT_BATCH
 tokens, its one-token step and two-token catch-up, prefill per token, the same calls deep in the context (attention
-reads every cached position), the drafts' imports of the parent's cache, each draft's agreement with the parent, and
-where the family holds both renderings of its parent, both timed back to back — and prices a call, a draft cycle or
-an import from them, after any number of positions (`at`) and for one of B sequences decoded together (`for_batch`).
+reads every cached position) and the parent's farther still, the drafts' imports of the parent's cache, each draft's
+agreement with the parent, and where the family holds both renderings of its parent, both timed back to back — and
+prices a call, a draft cycle or an import from them, after any number of positions (`at`) and for one of B
+sequences decoded together (`for_batch`).
 
 system.measure measures one; system.calibration_file stores it in the family folder (or the user cache), keyed by
 a hardware fingerprint, and checks every stored entry on every read."""
@@ -27,6 +28,12 @@ DEEP_SIZES = (1, 4, 8)  # a draft's call sizes measured at the deep position
 # the parent's: its verify calls of a copy are that long, and deep in an edit's context a 25-token call costs 1.5x its
 # figure near the start where a one-token call costs 1.2x (1.5B BF16 parent, AMD EPYC): the factor grows with the size
 DEEP_PARENT_SIZES = (1, 4, 8, 16, 32, 64)
+# Where an agent's calls happen (2,000-4,000 positions): the parent's calls (DEEP_PARENT_SIZES) measured there too,
+# when the context has room for it, FAR_MIN past the deep position at least. A line through the deep figures alone
+# grows too fast: after 2,560 positions it priced a 64-token call 14 % above what was measured there (1.5B BF16
+# parent, AMD EPYC: 682, 849 and 1,042 ms after 64, 1,024 and 2,560 positions).
+FAR_POS = 2560
+FAR_MIN = 512
 PREFILL_TOKENS = 64  # the synthetic prompt every call is measured after
 RENDERING_SIZES = (1, 4, 8, 16)  # call sizes the renderings' comparison times
 
@@ -53,6 +60,9 @@ class Calibration:
     # role (the parent's too) -> tokens in one call (DEEP_SIZES) -> seconds, after deep_pos positions
     deep_call_s: dict[str, dict[int, float]] = field(default_factory=dict)
     deep_pos: int = 0  # the position deep_call_s was measured at; 0: not measured (the context was too small)
+    # the parent -> tokens in one call (DEEP_PARENT_SIZES) -> seconds, after far_pos positions (beyond deep_pos)
+    far_call_s: dict[str, dict[int, float]] = field(default_factory=dict)
+    far_pos: int = 0  # the position far_call_s was measured at; 0: not measured (stored before, or no room)
     # draft role -> positions in the parent's cache -> seconds to export it and import it into the draft's
     import_s: dict[str, dict[int, float]] = field(default_factory=dict)
     # rendering (f16, bf16) -> {"prefill_token_s": s, "call_s": {tokens: s}}, timed back to back (compare_renderings);
@@ -106,22 +116,29 @@ class Calibration:
 
     def depth_factor(self, role: str, n: int, pos: int) -> float:
         """A call of `role` on n tokens after `pos` positions, relative to the same call after
-        PREFILL_TOKENS: linear in pos through 1.0 at PREFILL_TOKENS and the measured factor at deep_pos
-        (for a size not measured deep, the factor interpolated between the measured sizes, the nearest one
-        beyond them), extrapolated beyond deep_pos. Never below 1.0 (a call does not get cheaper with more
-        text before it: a measured factor below 1 is noise), 1.0 up to PREFILL_TOKENS and when the role was
-        not measured deep. On a batch view, the figures of one sequence alone."""
+        PREFILL_TOKENS: piecewise linear in pos through 1.0 at PREFILL_TOKENS, the measured factor at deep_pos
+        and, where the role was measured there too, the one at far_pos (for a size not measured, the factor
+        interpolated between the measured sizes, the nearest one beyond them), extrapolated beyond the last
+        measured position along its last piece. Never below 1.0 (a call does not get cheaper with more text
+        before it: a measured factor below 1 is noise) nor, past deep_pos, below the deep factor; 1.0 up to
+        PREFILL_TOKENS and when the role was not measured deep. On a batch view, the figures of one sequence
+        alone."""
         deep = self._deep_factors(role)
         if not deep or self.deep_pos <= PREFILL_TOKENS:
             return 1.0
         at_deep = max(1.0, _interpolate(deep, n))
+        far = self._deep_factors(role, far=True)
+        if far and self.far_pos > self.deep_pos and pos > self.deep_pos:
+            at_far = max(at_deep, _interpolate(far, n))
+            return at_deep + (at_far - at_deep) * (pos - self.deep_pos) / (self.far_pos - self.deep_pos)
         return 1.0 + (at_deep - 1.0) * max(0, pos - PREFILL_TOKENS) / (self.deep_pos - PREFILL_TOKENS)
 
-    def _deep_factors(self, role: str) -> dict[int, float]:
-        """Call size -> the deep call's cost over the same call after PREFILL_TOKENS, where both were measured."""
+    def _deep_factors(self, role: str, far: bool = False) -> dict[int, float]:
+        """Call size -> the deep (`far`: the far) call's cost over the same call after PREFILL_TOKENS, where both
+        were measured."""
         own = self.single or self
         base = own.parent_call_s if role == PARENT_ROLE else own.draft_call_s.get(role, {})
-        deep = own.deep_call_s.get(role, {})
+        deep = (own.far_call_s if far else own.deep_call_s).get(role, {})
         return {n: deep[n] / base[n] for n in deep if n in base}
 
     def call_s_at(self, n: int, pos: int) -> float:
@@ -196,6 +213,8 @@ class Calibration:
                    draft_call_s={k: _sized(v) for k, v in d.get("draft_call_s", {}).items()},
                    deep_call_s={k: _sized(v) for k, v in d.get("deep_call_s", {}).items()},
                    deep_pos=int(d.get("deep_pos", 0)),
+                   far_call_s={k: _sized(v) for k, v in d.get("far_call_s", {}).items()},
+                   far_pos=int(d.get("far_pos", 0)),
                    import_s={k: _sized(v) for k, v in d.get("import_s", {}).items()},
                    renderings={r: {"prefill_token_s": float(t["prefill_token_s"]), "call_s": _sized(t["call_s"])}
                                for r, t in d.get("renderings", {}).items()})

@@ -75,8 +75,11 @@ FIELDS = {  # every key an entry holds, and what its value must be
     "parent_call_s": "object", "draft_step_s": "object", "prefill_token_s": "object", "agreement": "object",
     "tokens_per_cycle": "object", "draft_pair_s": "object", "fingerprint": "object", "measured_at": "string",
     "left_out": "array", "draft_call_s": "object", "deep_call_s": "object", "deep_pos": "number",
-    "import_s": "object", "renderings": "object",
+    "far_call_s": "object", "far_pos": "number", "import_s": "object", "renderings": "object",
 }
+# what an entry may leave out: a family of one rendering compares none; an entry stored before the far calls were
+# measured holds none (it loads, priced along the deep figures; `specquant calibrate` measures them)
+OPTIONAL = {"renderings": {}, "far_call_s": {}, "far_pos": 0}
 _TOL = 1e-3  # the stored run lengths are rounded to 4 decimals
 
 
@@ -132,7 +135,7 @@ def entry_problem(entry) -> Optional[str]:
 def _check_entry(entry) -> None:
     if not isinstance(entry, dict):
         raise ValueError(f"a JSON {_json_type(entry)}, not an object")
-    entry = {"renderings": {}, **entry}  # a family of one rendering compares none
+    entry = {**OPTIONAL, **entry}
     missing = [k for k in FIELDS if k not in entry]
     if missing:
         raise ValueError(f"{', '.join(missing)} missing")
@@ -178,6 +181,12 @@ def _check_entry(entry) -> None:
     _check_curves(entry, "deep_call_s", DEEP_PARENT_SIZES)
     if entry["deep_call_s"] and not deep_pos:
         raise ValueError("deep_call_s holds timings but deep_pos is 0 (not measured)")
+    far_pos = _check_deep_pos(entry["far_pos"], "far_pos")
+    _check_curves(entry, "far_call_s", DEEP_PARENT_SIZES)
+    if entry["far_call_s"] and not far_pos:
+        raise ValueError("far_call_s holds timings but far_pos is 0 (not measured)")
+    if far_pos and far_pos <= deep_pos:
+        raise ValueError(f"far_pos {far_pos} is not beyond deep_pos {deep_pos}")
     _check_curves(entry, "import_s", range(1, max(PREFILL_TOKENS, deep_pos) + 1))
     _check_renderings(entry["renderings"])
 
@@ -198,11 +207,11 @@ def _check_renderings(d: dict) -> None:
             _seconds(v, f"renderings[{r}] call_s[{k}]")
 
 
-def _check_deep_pos(v) -> int:
-    """deep_pos: a whole number of positions, 0 (not measured) .. MAX_DEEP_POS."""
-    x = _number(v, "deep_pos")
+def _check_deep_pos(v, name: str = "deep_pos") -> int:
+    """deep_pos (or far_pos): a whole number of positions, 0 (not measured) .. MAX_DEEP_POS."""
+    x = _number(v, name)
     if not 0 <= x <= MAX_DEEP_POS or x != int(x):
-        raise ValueError(f"deep_pos {x:g} is not a position (a whole number 0 .. {MAX_DEEP_POS})")
+        raise ValueError(f"{name} {x:g} is not a position (a whole number 0 .. {MAX_DEEP_POS})")
     return int(x)
 
 

@@ -6,14 +6,15 @@
 - each draft role's one-token step and its two-token catch-up call ("pair");
 - prefill per prompt token, for every role;
 - the same calls on 1, 4 and 8 tokens deep in the context (DEEP_POS positions, or fewer in a small
-  context): attention reads every cached position, so a call costs more the longer the text before it;
+  context; the parent's on 1..64): attention reads every cached position, so a call costs more the longer the
+  text before it; and the parent's once more at FAR_POS (an agent's depth), where the context has room;
 - the seconds a draft takes to import the parent's KV cache, at 64 positions and at the deep one;
 - how often each draft's greedy token agrees with the parent's own answers;
 - where the family holds both renderings of its parent (F16 and BF16) and the CPU has BF16 dot products, both
   renderings' prefill and 1/4/8/16-token calls, back to back (`compare_renderings`): system.renderings picks the
   faster.
 
-A few seconds on the demo family (about 20 s more for the deep positions on a 1.5B family)."""
+A few seconds on the demo family (about 45 s more for the deep and far positions on a 1.5B family)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from specquant_cli.system.calibration import (
     DEEP_POS,
     DEEP_SIZES,
     DRAFT_BATCH,
+    FAR_MIN,
+    FAR_POS,
     LONG_CALLS,
     MAX_BATCH,
     PREFILL_TOKENS,
@@ -118,21 +121,26 @@ def measure(ctx_for: Callable[[str], object], parent: str, drafts: list[str],
     roles = [parent, *drafts]
     pctx = ctx_for(parent)
     deep_pos = deep_position(min(ctx_for(r).n_ctx for r in roles))
+    far_pos = far_position(pctx.n_ctx, deep_pos)
     lengths = (PREFILL_TOKENS, deep_pos) if deep_pos else (PREFILL_TOKENS,)
-    deep_ticks = len(roles) if deep_pos else 0
-    # ticks: prefill per role, rounds, deep calls per role, imports per length, parent answers, agreement per draft
+    deep_ticks = (len(roles) if deep_pos else 0) + (1 if far_pos else 0)
+    # ticks: prefill per role, rounds, deep calls per role and the far one, imports per length, parent answers,
+    # agreement per draft
     tick = _ticker(progress, len(roles) + REPEATS + deep_ticks + len(lengths) + 1 + len(drafts))
-    prompt = synthetic_prompt(pctx.model.n_vocab, max(PREFILL_TOKENS, deep_pos))
+    prompt = synthetic_prompt(pctx.model.n_vocab, max(PREFILL_TOKENS, deep_pos, far_pos))
     prefill = _time_prefill(ctx_for, roles, prompt[:PREFILL_TOKENS], tick)
     calls, steps_s, pairs, draft_calls = _time_rounds(ctx_for, parent, drafts, prompt[:PREFILL_TOKENS], tick)
     deep = {role: _time_deep(ctx_for(role), prompt[:deep_pos], tick, role,
                              DEEP_PARENT_SIZES if role == parent else DEEP_SIZES) for role in roles} if deep_pos else {}
+    # the parent's context holds the deep prompt now: the far one prefills only what lies beyond it
+    far = {parent: _time_deep(pctx, prompt[:far_pos], tick, parent, DEEP_PARENT_SIZES)} if far_pos else {}
     imports = _time_imports(ctx_for, parent, [r for r in drafts if r not in siblings], [prompt[:n] for n in lengths],
                             tick)
     agree, cycles = _agreement(ctx_for, parent, drafts, tick)
     return Calibration(calls, steps_s, prefill, agree, cycles, pairs,
                        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       draft_call_s=draft_calls, deep_call_s=deep, deep_pos=deep_pos, import_s=imports)
+                       draft_call_s=draft_calls, deep_call_s=deep, deep_pos=deep_pos, far_call_s=far,
+                       far_pos=far_pos, import_s=imports)
 
 
 RENDERING_REPEATS = 3
@@ -171,6 +179,14 @@ def deep_position(n_ctx: int) -> int:
     context could not hold a parent call after it; 0 (not measured) when that is below DEEP_MIN."""
     pos = min(DEEP_POS, n_ctx - MAX_BATCH - 8)
     return pos if pos >= DEEP_MIN else 0
+
+
+def far_position(n_ctx: int, deep_pos: int) -> int:
+    """Where the parent's far calls are measured in its context of n_ctx positions: FAR_POS, or less where the
+    context could not hold its longest deep call after it; 0 (not measured) when that is under FAR_MIN beyond
+    `deep_pos`, or nothing was measured deep."""
+    pos = min(FAR_POS, n_ctx - max(DEEP_PARENT_SIZES) - 8)
+    return pos if deep_pos and pos >= deep_pos + FAR_MIN else 0
 
 
 def synthetic_prompt(n_vocab: int, n: int) -> list[int]:
