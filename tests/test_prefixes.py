@@ -65,6 +65,7 @@ def test_a_longer_state_replaces_the_entries_it_extends():
 def test_a_folder_entry_is_read_back_and_a_foreign_or_damaged_one_refused(tmp_path):
     a = PromptCache(1 << 20, "tag-a", tmp_path, key=KEY)
     a.put(list(range(30)), state(64, fill=3))
+    assert a.flush(30) and a.pending() == 0
     files = sorted(tmp_path.glob(f"*{SUFFIX}"))
     assert len(files) == 1
     back = PromptCache(1 << 20, "tag-a", tmp_path, key=KEY)
@@ -85,8 +86,50 @@ def test_an_evicted_entry_leaves_the_folder_too(tmp_path):
     c = PromptCache(size_of(20, 100) + 10, "t", tmp_path, key=KEY)
     c.put([1] * 20, state(100))
     c.put([2] * 20, state(100))
+    assert c.flush(30)
     assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 1
     assert PromptCache(1 << 20, "t", tmp_path, key=KEY).best([2] * 20)[1] == 20
+
+
+def test_a_put_does_not_wait_for_the_folder(tmp_path, monkeypatch):
+    """The state is in RAM at once and the request goes on; the writer thread writes it, `flush` waits for it."""
+    c = PromptCache(1 << 20, "t", tmp_path, key=KEY, write_behind=True)
+    go, started = threading.Event(), threading.Event()
+    write = c._write
+
+    def slow_disk(entry):
+        started.set()
+        assert go.wait(30)
+        write(entry)
+
+    monkeypatch.setattr(c, "_write", slow_disk)
+    c.put(list(range(40)), state(64))
+    c.put(list(range(100, 140)), state(64))
+    assert started.wait(30)
+    assert c.best(list(range(40)))[1] == 40 and c.pending() == 2  # usable now, not on disk yet
+    assert not c.flush(0.05) and list(tmp_path.glob(f"*{SUFFIX}")) == []
+    go.set()
+    assert c.flush(30) and c.pending() == 0
+    assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 2
+    assert PromptCache(1 << 20, "t", tmp_path, key=KEY).best(list(range(100, 140)))[1] == 40
+
+
+def test_a_failed_folder_write_loses_only_that_file(tmp_path, monkeypatch):
+    c = PromptCache(1 << 20, "t", tmp_path, key=KEY, write_behind=True)
+    write, calls = c._write, []
+
+    def flaky(entry):
+        calls.append(entry)
+        if len(calls) == 1:
+            raise RuntimeError("disk gone")
+        write(entry)
+
+    monkeypatch.setattr(c, "_write", flaky)
+    c.put([1] * 20, state(32))
+    c.put([2] * 20, state(32))
+    assert c.flush(30) and len(calls) == 2
+    assert c.best([1] * 20)[1] == 20  # the RAM entry stands
+    assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 1  # the writer went on
 
 
 # -- real contexts -----------------------------------------------------------------------------------------------
@@ -155,7 +198,7 @@ def test_a_state_restored_from_ram_or_disk_gives_the_cold_prefills_tokens(shared
         v.reset()
     from specquant_cli.runtime.prompt_cache import cache_tag
 
-    cache = PromptCache(256 << 20, "real", tmp_path, key=KEY)
+    cache = PromptCache(256 << 20, "real", tmp_path, key=KEY, write_behind=True)  # as a server writes
     sharing = PrefixSharing(views, cache, batcher.ops, batcher.away)
     a, c = prompts[0], prompts[2]
     greedy(batcher, views[0], a)
@@ -167,6 +210,7 @@ def test_a_state_restored_from_ram_or_disk_gives_the_cold_prefills_tokens(shared
     assert cache.status()["hits"] == 1 and sharing.status()["restored_tokens"] > 100
     assert views[1].tokens[:len(c) - 1] == list(c[:-1])
     # a later server: the folder only
+    assert cache.flush(60)
     disk = PromptCache(256 << 20, "real", tmp_path, key=KEY)
     for v in views:
         v.reset()
@@ -277,11 +321,13 @@ def test_the_folder_keeps_files_its_ram_does_not_hold(tmp_path):
     writer = PromptCache(10 * one, "t", tmp_path, key=KEY)
     for k in range(3):
         writer.put([k] * 20, state(100))
+    assert writer.flush(30)
     assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 3
     small = PromptCache(one, "t", tmp_path, key=KEY, disk_budget=10 * one)  # holds the newest; the files stay
     assert small.status()["entries"] == 1 and small.bytes <= small.budget
     assert small.best([2] * 20)[1] == 20  # the newest file is the one read
     small.put([9] * 20, state(100))  # evicts the one it read from RAM: its file stays (the folder has room)
+    assert small.flush(30)
     assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == 4
 
 

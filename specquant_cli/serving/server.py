@@ -28,6 +28,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SHUTDOWN_GRACE_S = 10  # uvicorn's wait for open connections after a signal
 WORKER_JOIN_S = 30
 RPC_RELEASE_S = 2.0  # after the worker connections are shut: time for a stuck call to fail
+CACHE_FLUSH_S = 60.0  # at the end: time for the prompt cache's folder writes still pending (each under a second)
 WARM_UP_TEXT = "Warm up the router."
 
 
@@ -292,7 +293,8 @@ def share_prefixes(runtime, slots, opts: ServeOptions, report=None):
     if opts.prompt_cache and opts.cache_ram > 0:
         cache = PromptCache(int(opts.cache_ram * (1 << 20)), cache_tag(runtime.family, runtime.pool.n_ctx),
                             opts.cache_dir, report, key=user_key() if opts.cache_dir is not None else None,
-                            disk_budget=int(opts.cache_disk * (1 << 20)) if opts.cache_disk else None)
+                            disk_budget=int(opts.cache_disk * (1 << 20)) if opts.cache_disk else None,
+                            write_behind=True)
     if slots is None:
         return PrefixSharing([runtime.pool.context(PARENT_ROLE)], cache, threading.RLock(), reuse=opts.prompt_cache)
     views = [rt.pool.context(PARENT_ROLE) for rt in slots.runtimes]
@@ -313,7 +315,19 @@ def run(svc: Service, opts: ServeOptions, say=None) -> None:
         svc.worker.stop()
         if svc.worker.lost is None:  # else its thread and the parent's sockets are stuck for good: leave them
             _join_engine(svc, say)
+        _flush_cache(svc, say)
     say("specquant serve: stopped")
+
+
+def _flush_cache(svc: Service, say) -> None:
+    """The prompt cache's entries still to be written to --cache-dir, written before the process ends (a request
+    never waits for them: runtime.prompt_cache)."""
+    cache = svc.prefixes.cache if svc.prefixes is not None else None
+    if cache is None or not cache.pending():
+        return
+    if not cache.flush(CACHE_FLUSH_S):
+        say(f"warning: {cache.pending()} prompt-cache entries not written to {cache.directory} "
+            f"within {CACHE_FLUSH_S:g} s; the folder loses them")
 
 
 def _join_engine(svc: Service, say) -> None:
