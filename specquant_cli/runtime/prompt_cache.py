@@ -57,9 +57,9 @@ class PromptCache:
     (`write_behind`: by a writer thread of its own, the caller not waiting), and read back at start, newest first
     while the RAM budget lasts. The folder as a whole stays within `disk_budget` bytes: after every write, and at
     start, its oldest files go first (whoever wrote them: servers sharing the folder prune it together, under a
-    lock). A file is refused, and named, when it is not a regular
-    file, is sparse (its bytes on disk fewer than its size), was written for another tag, or does not check out
-    with `key` (its MAC: user_key, private to the user; another key means the key file changed)."""
+    lock). A file is refused, and named, when it is not a regular file, is sparse (its bytes on disk fewer than its
+    size), was written for another tag, or does not check out with `key` (its MAC: user_key, private to the user;
+    another key means the key file changed)."""
 
     def __init__(self, budget: int, tag: str, directory: Optional[Path] = None, report=None,
                  key: Optional[bytes] = None, disk_budget: Optional[int] = None, write_behind: bool = False):

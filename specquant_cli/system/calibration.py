@@ -29,9 +29,9 @@ DEEP_SIZES = (1, 4, 8)  # a draft's call sizes measured at the deep position
 # figure near the start where a one-token call costs 1.2x (1.5B BF16 parent, AMD EPYC): the factor grows with the size
 DEEP_PARENT_SIZES = (1, 4, 8, 16, 32, 64)
 # Where an agent's calls happen (2,000-4,000 positions): the parent's calls (DEEP_PARENT_SIZES) measured there too,
-# when the context has room for it, FAR_MIN past the deep position at least. A line through the deep figures alone
-# grows too fast: after 2,560 positions it priced a 64-token call 14 % above what was measured there (1.5B BF16
-# parent, AMD EPYC: 682, 849 and 1,042 ms after 64, 1,024 and 2,560 positions).
+# when the context has room for it, FAR_MIN past the deep position at least. The line through the deep figures alone
+# misses there by more than the drift, either way (1.5B BF16 parent, AMD EPYC, a 64-token call after 2,560
+# positions: 14 % over what `bench calls` measured in one run, 7 % under what a calibration measured in another).
 FAR_POS = 2560
 FAR_MIN = 512
 PREFILL_TOKENS = 64  # the synthetic prompt every call is measured after
