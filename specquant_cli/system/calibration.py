@@ -127,8 +127,8 @@ class Calibration:
         if not deep or self.deep_pos <= PREFILL_TOKENS:
             return 1.0
         at_deep = max(1.0, _interpolate(deep, n))
-        far = self._deep_factors(role, far=True)
-        if far and self.far_pos > self.deep_pos and pos > self.deep_pos:
+        far = self._deep_factors(role, far=True) if pos > self.deep_pos and self.far_pos > self.deep_pos else None
+        if far:
             at_far = max(at_deep, _interpolate(far, n))
             return at_deep + (at_far - at_deep) * (pos - self.deep_pos) / (self.far_pos - self.deep_pos)
         return 1.0 + (at_deep - 1.0) * max(0, pos - PREFILL_TOKENS) / (self.deep_pos - PREFILL_TOKENS)
