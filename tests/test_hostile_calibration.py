@@ -32,7 +32,7 @@ from hostile_util import assert_clean_error, cli, link_family, snapshot, temps, 
 
 from specquant_cli.system import calibration_file as cal
 from specquant_cli.system import measure as measuring
-from specquant_cli.system.calibration import Calibration
+from specquant_cli.system.calibration import MAX_BATCH, Calibration
 
 SPECQUANT = [sys.executable, "-m", "specquant_cli"]
 HANG_S = 120
@@ -240,6 +240,32 @@ def test_bad_stored_entry_is_measured_again_with_its_reason(measured, fam, stub_
     got = _valid_after(fam, key)
     assert got.parent_call_s == {int(k): v for k, v in entry["parent_call_s"].items()}
     assert json.loads(r.stdout)["agreement"] == entry["agreement"]
+
+
+@pytest.mark.parametrize("lacks", ["long calls", "far calls"])
+def test_an_entry_stored_before_the_newer_calls_is_measured_again_by_calibrate(measured, fam, stub_measure, lacks):
+    """A valid entry measured before the parent's long calls (LONG_CALLS), or before its calls at the far depth
+    (FAR_POS), loads wherever it is read, and `calibrate` measures it again, saying which it lacks; once."""
+    _, key, entry = measured
+    old = json.loads(json.dumps(entry))
+    if lacks == "long calls":
+        old["parent_call_s"] = {k: v for k, v in old["parent_call_s"].items() if int(k) <= MAX_BATCH}
+        phrase = "stored before parent calls of up to 64 tokens were measured; measuring again"
+    else:
+        assert old["far_pos"], "the module's measurement has the far calls (a 4096 context)"
+        del old["far_call_s"], old["far_pos"]
+        phrase = "stored before the parent's calls after 2560 positions were measured; measuring again"
+    assert cal.entry_problem(old) is None
+    (fam / cal.CALIBRATION_FILE).write_text(json.dumps({key: old}))
+    r = cli(["calibrate", "--family", fam, "--json"])
+    assert r.exit_code == 0, r.stderr
+    no_traceback(r)
+    assert [ln for ln in reason_lines(r.stderr) if "measuring again" in ln] == [f"calibration: {phrase}"], r.stderr
+    assert len(stub_measure) == 1
+    got = _valid_after(fam, key)
+    assert got.longest_call == 64 and got.far_pos == 2560
+    r = cli(["calibrate", "--family", fam, "--json"])  # now complete: read back, not measured
+    assert r.exit_code == 0 and len(stub_measure) == 1, r.stderr
 
 
 BAD_FILES = {  # name -> (writes the file, a phrase of the reason)

@@ -83,13 +83,12 @@ def _measured(runtime, force: bool):
     try:
         c = runtime.calibration(force=force, require_save=True)  # unsaveable: refused first
         n_ctx = runtime.pool.n_ctx
-        if c.longest_call < max(LONG_CALLS) and n_ctx >= PREFILL_TOKENS + max(LONG_CALLS):
-            err.print(f"calibration: stored before parent calls of up to {max(LONG_CALLS)} tokens were measured; "
-                      "measuring again", markup=False)
-            c = runtime.calibration(force=True, require_save=True)
-        elif not c.far_pos and far_position(n_ctx, c.deep_pos):
-            err.print(f"calibration: stored before the parent's calls after {far_position(n_ctx, c.deep_pos)} "
-                      "positions were measured; measuring again", markup=False)
+        missing = (f"parent calls of up to {max(LONG_CALLS)} tokens"
+                   if c.longest_call < max(LONG_CALLS) and n_ctx >= PREFILL_TOKENS + max(LONG_CALLS) else
+                   f"the parent's calls after {far_position(n_ctx, c.deep_pos)} positions"
+                   if not c.far_pos and far_position(n_ctx, c.deep_pos) else None)
+        if missing:
+            err.print(f"calibration: stored before {missing} were measured; measuring again", markup=False)
             c = runtime.calibration(force=True, require_save=True)
         return runtime.family, c
     finally:
