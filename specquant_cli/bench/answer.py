@@ -58,6 +58,11 @@ class RequestResult:
     drafted: Optional[int] = None
     accepted: Optional[int] = None
     parent_calls: Optional[int] = None
+    # the server's own clock (its `specquant` object's prefill_s and total_s): the prefill (with a drafter's
+    # preparation) and the answer from the engine's start; e2e_s - server_total_s is what came before the engine
+    # (queue, slot, plan) and the delivery
+    server_prefill_s: Optional[float] = None
+    server_total_s: Optional[float] = None
     # the usage's completion_tokens_details of a request sent with a prediction: its tokens the server kept and those
     # it did not (None: not said)
     prediction_accepted: Optional[int] = None
@@ -129,6 +134,12 @@ def normal_url(url: str) -> str:
 def _count(v) -> Optional[int]:
     """A count a server reports (a JSON integer, not a boolean, within 0 .. 2**31), else None."""
     return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 31 else None
+
+
+def _seconds(v) -> Optional[float]:
+    """A duration a server reports (a JSON number, not a boolean, within 0 .. a day), else None."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 86400
+    return float(v) if ok else None
 
 
 # -- one answer, streamed ------------------------------------------------------------------------------------------
@@ -210,8 +221,9 @@ class _Answer:
                     self.finished_at = self.clock()
 
     def _notes(self, info) -> None:
-        """A specquant server's notes on the answer: the plan (its first mention), tokens drafted and kept and the
-        parent's calls (the latest figures). Anything else, or anything of another shape, is ignored."""
+        """A specquant server's notes on the answer: the plan (its first mention), tokens drafted and kept, the
+        parent's calls, the prefill's and the answer's seconds (the latest figures). Anything else, or anything of
+        another shape, is ignored."""
         if not isinstance(info, dict):
             return
         r = self.result
@@ -221,6 +233,10 @@ class _Answer:
             v = _count(info.get(k))
             if v is not None:
                 setattr(r, k, v)
+        for k in ("prefill_s", "total_s"):
+            v = _seconds(info.get(k))
+            if v is not None:
+                setattr(r, "server_" + k, v)
 
     def _call_piece(self, call) -> None:
         """A piece of a tool call (OpenAI's delta.tool_calls[i]: its index, the function's name and a piece of its
