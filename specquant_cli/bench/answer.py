@@ -58,9 +58,10 @@ class RequestResult:
     drafted: Optional[int] = None
     accepted: Optional[int] = None
     parent_calls: Optional[int] = None
-    # the server's own clock (its `specquant` object's prefill_s and total_s): the prefill (with a drafter's
-    # preparation) and the answer from the engine's start; e2e_s - server_total_s is what came before the engine
-    # (queue, slot, plan) and the delivery
+    # the server's own clock (its `specquant` object's parent_prefill_s, prefill_s and total_s): the parent's prefill,
+    # that with a drafter's preparation, and the answer from the engine's start; e2e_s - server_total_s is what came
+    # before the engine (queue, slot, plan) and the delivery
+    server_parent_prefill_s: Optional[float] = None
     server_prefill_s: Optional[float] = None
     server_total_s: Optional[float] = None
     # the usage's completion_tokens_details of a request sent with a prediction: its tokens the server kept and those
@@ -233,7 +234,7 @@ class _Answer:
             v = _count(info.get(k))
             if v is not None:
                 setattr(r, k, v)
-        for k in ("prefill_s", "total_s"):
+        for k in ("parent_prefill_s", "prefill_s", "total_s"):
             v = _seconds(info.get(k))
             if v is not None:
                 setattr(r, "server_" + k, v)

@@ -71,8 +71,8 @@ def spans_info(rec) -> list[dict]:
 
 def specquant_info(answer, last) -> dict:
     """The `specquant` object of a response: how it was routed and planned, and how the speculation went."""
-    return {**plan_info(answer), **running_info(last), "prefill_s": round(last.prefill_s, 4),
-            "total_s": round(last.total_s, 4)}
+    return {**plan_info(answer), **running_info(last), "parent_prefill_s": round(last.parent_prefill_s, 4),
+            "prefill_s": round(last.prefill_s, 4), "total_s": round(last.total_s, 4)}
 
 
 def chat_response(rid: str, created: int, model: str, text: str, answer, last, params=None,
