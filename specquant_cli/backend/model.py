@@ -63,6 +63,7 @@ class Model:
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self._ptr)
         is_eog = llama_cpp.llama_vocab_is_eog
         self._eog_ids = frozenset(t for t in range(self.n_vocab) if is_eog(self.vocab, t))
+        self._backticks: Optional[dict[int, bytes]] = None
 
     # -- vocabulary ---------------------------------------------------------------------------
     @property
@@ -71,6 +72,16 @@ class Model:
 
     def is_eog(self, token: int) -> bool:
         return token in self._eog_ids
+
+    @property
+    def backtick_pieces(self) -> dict[int, bytes]:
+        """The text of every token holding a backtick (what decoding.fences reads code fences from), found once."""
+        if self._backticks is None:
+            import llama_cpp
+
+            text = llama_cpp.llama_vocab_get_text
+            self._backticks = {t: self.piece(t) for t in range(self.n_vocab) if b"`" in (text(self.vocab, t) or b"")}
+        return self._backticks
 
     def bos(self) -> int:
         import llama_cpp

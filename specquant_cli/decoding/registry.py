@@ -57,6 +57,10 @@ class DraftHost(Protocol):
         decodes beside other sequences (a serving slot's), else None."""
         ...
 
+    def fences(self):
+        """The code fences of the parent's vocabulary (decoding.fences.Fences)."""
+        ...
+
     def memory(self):
         """The drafting memory of this policy as this scope sees it (decoding.memory.ScopedMemory), shared by every
         drafter of them."""
@@ -109,7 +113,7 @@ def _model(role: str, window: Optional[int] = None, kv_import: bool = True):
 def _suffix(host: DraftHost, target: str) -> Drafter:
     from specquant_cli.decoding.suffix import SuffixDrafter
 
-    return SuffixDrafter(verify_cost=host.verify_cost(), memory=host.memory())
+    return SuffixDrafter(verify_cost=host.verify_cost(), memory=host.memory(), fences=host.fences())
 
 
 # The longest run a second level proposes to the draft model: its batch curve is measured up to 8 tokens.

@@ -24,6 +24,7 @@ from typing import Optional
 
 from specquant_cli.decoding.copying import Edits, Place, Step, follow
 from specquant_cli.decoding.drafters import DrafterBase
+from specquant_cli.decoding.fences import Fences
 from specquant_cli.decoding.gamma import (
     COPY_GAMMA_MAX,
     Acceptance,
@@ -71,8 +72,9 @@ class SuffixDrafter(DrafterBase):
 
     def __init__(self, gamma_max: int = COPY_GAMMA_MAX, verify_cost: Optional[Callable[[int], float]] = None,
                  min_prob: float = 0.3, memory: Optional[DraftMemory] = None, record: bool = True,
-                 priors: Sequence[float] = PRIOR_ALPHA):
+                 priors: Sequence[float] = PRIOR_ALPHA, fences: Optional[Fences] = None):
         self.gamma_max = gamma_max  # the engine's draft length (a plan's cap) bounds it too
+        self.fences = fences  # the vocabulary's code fences: the answer's drafts stop where it closes a block
         self.verify_cost = verify_cost if isinstance(verify_cost, CallCost) else CallCost(verify_cost or verify_shape)
         self.min_prob = min_prob
         self.memory = memory if memory is not None else DraftMemory()
@@ -184,6 +186,9 @@ class SuffixDrafter(DrafterBase):
             start = survivors[0] if track and len(survivors) == 1 else None
             place = Place(start) if start is not None else None
             steps = [Step(t, Place(start + i + 1)) for i, t in enumerate(tokens)] if start is not None else []
+        if self.fences is not None and track:
+            room = self.fences.room(seq, tokens, kind == CONTINUE)
+            tokens, steps = tokens[:room], steps[:room]
         g = self._best_length(self._alpha(kind, held), len(tokens), n, len(seq), steps)
         if g == 0:
             return Draft()
@@ -197,6 +202,11 @@ class SuffixDrafter(DrafterBase):
         the parent keeps its draft)."""
         if track and self._cursor is not None:
             place, n = self._cursor
+            if n == len(seq) - 1:  # a cycle without a draft of this copy's (one cut at a fence): the parent's token
+                ahead = follow(self.memory.read(place.at, 1 + self.edits.span), place, 1, self.edits)
+                if ahead and ahead[0].token == seq[-1]:  # was the document's: the copy goes on
+                    self._goes_on(ahead[0].after, len(seq), 1)
+                    place, n = self._cursor
             if n == len(seq) and (place.queue or self.memory.token_at(place.at) is not None):
                 return CONTINUE, [], place, self._run
             self._cursor = None

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
+from specquant_cli.decoding.fences import Fences
 from specquant_cli.decoding.memory import DraftMemory, ScopedMemory, tokens_for
 from specquant_cli.decoding.protocols import Drafter, TokenContext
 from specquant_cli.decoding.registry import drafter_spec
@@ -37,6 +38,7 @@ class DrafterCache:
         self._kept: OrderedDict[tuple[str, str, str, str], Drafter] = OrderedDict()
         self._memories: dict[str, DraftMemory] = memories if memories is not None else {}
         self._memory_lock = threading.Lock()
+        self._fences: Optional[tuple[object, Fences]] = None
 
     def memory(self, policy: str, scope: str = "") -> ScopedMemory:
         """The drafting memory of `policy` (made on first use), shared with every cache made by `with_models`, as
@@ -50,6 +52,13 @@ class DrafterCache:
             if mem is None:
                 mem = self._memories[policy] = DraftMemory(self.memory_tokens)
             return mem.view(scope)
+
+    def fences(self) -> Fences:
+        """The code fences of the parent's vocabulary (read from it once per model)."""
+        model = self.pool.tokenizer()
+        if self._fences is None or self._fences[0] is not model:
+            self._fences = (model, Fences(model.backtick_pieces, model.piece))
+        return self._fences[1]
 
     def memory_use(self) -> dict[str, dict]:
         """Each policy's memory use (DraftMemory.use)."""
@@ -137,6 +146,9 @@ class _Host:
         if costs.pacer is None:
             return None
         return costs.pacer.pace(rest=policy_spec(self.policy).planner is not None, beside=costs.beside)
+
+    def fences(self):
+        return self.cache.fences()
 
     def memory(self):
         return self.cache.memory(self.policy, self.scope)
