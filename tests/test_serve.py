@@ -277,7 +277,12 @@ def test_oversized_body_is_413_and_bad_json_is_400(server):
 @pytest.mark.slow
 def test_one_log_line_per_request(server):
     ask(server.client(), PROMPTS[1])
-    line = [ln for ln in server.lines if "POST /v1/chat/completions 200" in ln][-1]
+
+    def logged():  # the line follows the answer out; the reader thread collects it a moment later
+        return [ln for ln in server.lines if "POST /v1/chat/completions 200" in ln]
+
+    assert wait_for(logged, timeout=10)
+    line = logged()[-1]
     assert re.search(r"\d+ tokens [\d.]+ tok/s acceptance \d+%", line)
 
 
