@@ -10,7 +10,7 @@ import pytest
 from test_copying import flat_ish, oracle
 
 from specquant_cli.backend.model import Model
-from specquant_cli.decoding.fences import Fences
+from specquant_cli.decoding.fences import Count, Fences
 from specquant_cli.decoding.suffix import SuffixDrafter
 
 FILE = "".join(f"def step_{i}(value, scale={i + 2}):\n    \"\"\"Scale by {i + 2}, then shift by {3 * i + 1}.\"\"\"\n"
@@ -50,6 +50,24 @@ def test_a_fence_starts_a_line_and_one_within_a_sentence_is_none(vocab):
     closed = opened + t("```")
     assert f.room(closed, t("\n\nThanks."), False) == 0  # right after the block closes
     assert f.room(closed, t("\n\nThanks."), True) == len(t("\n\nThanks."))  # the copy went on through the fence
+
+
+def test_a_count_carried_through_an_answer_agrees_with_one_from_scratch(vocab):
+    f = fences(vocab)
+    prompt = tokens(vocab, PROMPT)
+    head = tokens(vocab, "```python\n" + FILE)
+    # the closing fence in two tokens, as a vocabulary may split it ("``" then "`\n"): a count may stop between them
+    seq = prompt + head + tokens(vocab, "``") + tokens(vocab, "`\n") + tokens(vocab, "Done.")
+    draft, count = tokens(vocab, "\n```\n\nRename nothing"), Count()
+    split = len(prompt) + len(head)
+    assert f.room(seq[:split], draft, False) == 1  # the block is open: the draft's fence would close it
+    assert f.room(seq, draft, False) == len(draft)  # the split fence closed it: the draft's opens another
+    for end in range(len(prompt), len(seq) + 1):  # an answer growing a token a draft
+        assert f.room(seq[:end], draft, False, count) == f.room(seq[:end], draft, False)
+        assert count.n == end
+    # another, longer sequence (a block opened and closed before the same text): counted afresh
+    other = tokens(vocab, "Prose.\n```\ncode\n```\n") + seq + tokens(vocab, " end")
+    assert f.room(other, draft, False, count) == f.room(other, draft, False)
 
 
 def answer_and_close(model):

@@ -9,10 +9,25 @@ within a sentence is none. Fences are counted over the whole sequence, the promp
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 TICK = ord("`")
 FENCE = 3  # backticks in a row that make a fence
 LOOK_BACK = 8  # tokens read back for the start of a line (a line of spaces longer than that counts as its start)
+
+
+@dataclass
+class Count:
+    """Where counting stands in one growing sequence (an answer's, from its prompt on): the tokens counted, fences so
+    far, backticks in a row at the end, whether the last token closed a block, and that token (a sequence that no
+    longer holds it there is counted afresh)."""
+
+    n: int = 0
+    fences: int = 0
+    run: int = 0
+    closed: bool = False
+    last: Optional[int] = None
 
 
 class Fences:
@@ -63,25 +78,30 @@ class Fences:
                     count += 1
         return count, run, closed
 
-    def room(self, seq: Sequence[int], draft: Sequence[int], goes_on: bool) -> int:
+    def room(self, seq: Sequence[int], draft: Sequence[int], goes_on: bool, count: Optional[Count] = None) -> int:
         """How much of `draft` (read after `seq`) a copy proposes: up to the token that starts the fence closing the
         block open at that point; none right after `seq` closed a block, unless the copy `goes_on` through it (the
-        source's fence was the answer's)."""
+        source's fence was the answer's). `count`: where counting stood in an earlier, shorter `seq` of the same answer
+        (updated to `seq`'s end: each token is counted once per answer)."""
         n = len(seq)
 
         def tokens(k: int) -> int:
             return seq[k] if k < n else draft[k - n]
 
-        count, run, closed = 0, 0, False
-        for i in range(n):
-            count, run, closed = self._advance(tokens, i, count, run)
-        if closed and not goes_on:
+        c = count if count is not None else Count()
+        if c.n > n or (c.n and int(seq[c.n - 1]) != c.last):
+            c.n, c.fences, c.run, c.closed = 0, 0, 0, False
+        for i in range(c.n, n):
+            c.fences, c.run, c.closed = self._advance(tokens, i, c.fences, c.run)
+        c.n, c.last = n, int(seq[n - 1]) if n else None
+        if c.closed and not goes_on:
             return 0
+        fences, run = c.fences, c.run
         start = 0  # the draft token where the run of backticks going on began (0: it began in `seq`)
         for i in range(len(draft)):
             if run == 0:
                 start = i
-            count, run, closed = self._advance(tokens, n + i, count, run)
+            fences, run, closed = self._advance(tokens, n + i, fences, run)
             if closed:
                 return start
         return len(draft)

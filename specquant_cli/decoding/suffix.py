@@ -24,7 +24,7 @@ from typing import Optional
 
 from specquant_cli.decoding.copying import Edits, Place, Step, follow
 from specquant_cli.decoding.drafters import DrafterBase
-from specquant_cli.decoding.fences import Fences
+from specquant_cli.decoding.fences import Count, Fences
 from specquant_cli.decoding.gamma import (
     COPY_GAMMA_MAX,
     Acceptance,
@@ -75,6 +75,7 @@ class SuffixDrafter(DrafterBase):
                  priors: Sequence[float] = PRIOR_ALPHA, fences: Optional[Fences] = None):
         self.gamma_max = gamma_max  # the engine's draft length (a plan's cap) bounds it too
         self.fences = fences  # the vocabulary's code fences: the answer's drafts stop where it closes a block
+        self._fence_count = Count()  # where counting them stands in this answer
         self.verify_cost = verify_cost if isinstance(verify_cost, CallCost) else CallCost(verify_cost or verify_shape)
         self.min_prob = min_prob
         self.memory = memory if memory is not None else DraftMemory()
@@ -107,7 +108,7 @@ class SuffixDrafter(DrafterBase):
         if self.recorder is not None:
             self.recorder.start(seq)
         self._cursor = self._departed = self._trial = None
-        self.edits, self._run = Edits(), 0
+        self.edits, self._run, self._fence_count = Edits(), 0, Count()
         return None
 
     def expect(self, start: int, seq: Sequence[int], doc_tokens: Sequence[int], doc_start: int) -> None:
@@ -187,10 +188,12 @@ class SuffixDrafter(DrafterBase):
             place = Place(start) if start is not None else None
             steps = [Step(t, Place(start + i + 1)) for i, t in enumerate(tokens)] if start is not None else []
         if self.fences is not None and track:
-            room = self.fences.room(seq, tokens, kind == CONTINUE)
+            room = self.fences.room(seq, tokens, kind == CONTINUE, self._fence_count)
             tokens, steps = tokens[:room], steps[:room]
         g = self._best_length(self._alpha(kind, held), len(tokens), n, len(seq), steps)
         if g == 0:
+            if kind == CONTINUE:  # the copy stands here all the same: feedback follows it through the parent's token
+                self._last, self._from = (kind, start, len(seq)), place
             return Draft()
         self._last, self._steps, self._from = (kind, start, len(seq)), steps[:g], place
         return Draft(tokens[:g])
@@ -202,11 +205,6 @@ class SuffixDrafter(DrafterBase):
         the parent keeps its draft)."""
         if track and self._cursor is not None:
             place, n = self._cursor
-            if n == len(seq) - 1:  # a cycle without a draft of this copy's (one cut at a fence): the parent's token
-                ahead = follow(self.memory.read(place.at, 1 + self.edits.span), place, 1, self.edits)
-                if ahead and ahead[0].token == seq[-1]:  # was the document's: the copy goes on
-                    self._goes_on(ahead[0].after, len(seq), 1)
-                    place, n = self._cursor
             if n == len(seq) and (place.queue or self.memory.token_at(place.at) is not None):
                 return CONTINUE, [], place, self._run
             self._cursor = None
